@@ -1,0 +1,1 @@
+"""specserve's engine: lossless speculative decoding at batch size 1."""

@@ -1,0 +1,91 @@
+"""The engine thread and the async client the server talks to.
+
+One thread owns the models. Requests wait in a FIFO queue and run one at a time; each request's
+outputs travel back to its event loop through its own asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from .engine import Request, SpecEngine, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class _Job:
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    aborted: threading.Event = field(default_factory=threading.Event)
+
+    def send(self, item: StepOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: SpecEngine) -> None:
+        self.engine = engine
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: dict[str, _Job] = {}
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
+        """Queue ``request`` and yield its outputs; leaving early aborts it."""
+        if not self.alive:
+            raise EngineDead("the engine thread is not running")
+        job = _Job(request, asyncio.get_running_loop())
+        self._jobs[request.request_id] = job
+        self._queue.put(job)
+        finished = False
+        try:
+            while not finished:
+                item = await job.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if not finished:
+                job.aborted.set()
+            self._jobs.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.aborted.set()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        for job in list(self._jobs.values()):
+            job.aborted.set()
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                for output in self.engine.generate(job.request, job.aborted.is_set):
+                    job.send(output)
+            except Exception as exc:  # one request failed: report it, reset, keep serving
+                log.exception("request %s failed", job.request.request_id)
+                self.engine.reset()
+                job.send(exc)

@@ -1,0 +1,50 @@
+"""Engine configuration: what to load and how to speculate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and why."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    target: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    draft: str | None = None  # a model ref, "copy:DTYPE" (the target in another dtype), or None for target alone
+    drafter: str = "model"
+    num_draft_tokens: int = 4
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own limit, capped at 4096
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 0 or self.num_draft_tokens > 64:
+            raise ConfigError(f"num_draft_tokens must be between 0 and 64, got {self.num_draft_tokens}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.draft is not None and self.draft.lower() == "none":
+            self.draft = None
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

@@ -1,0 +1,167 @@
+"""The speculative engine: one request at a time, batch size 1, caches resident across requests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .drafters import DraftResources, Drafter, Proposal, build
+from .config import EngineConfig
+from .model import CausalLM
+from .sampling import RequestSampler, SamplingParams
+from .spec import rejection_sample
+from .stats import SpecStats
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    num_draft_tokens: int | None = None  # None: the engine's default
+
+
+@dataclass(slots=True)
+class StepOutput:
+    token_ids: list[int]  # new tokens from this step (at least one unless finished by abort)
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from the previous request
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass(slots=True)
+class _Sequence:
+    token_ids: list[int]  # prompt plus committed output
+    prompt_len: int
+    sampler: RequestSampler
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+class SpecEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: CausalLM,
+        draft: CausalLM | None,
+        eos_token_ids: set[int],
+    ) -> None:
+        self.config = config
+        self.target = target
+        self.draft = draft
+        self.eos_token_ids = eos_token_ids
+        # Requests without a seed draw one from here: reproducible runs under --seed, fresh ones otherwise.
+        self._seeds = torch.Generator()
+        self._seeds.manual_seed(config.seed) if config.seed is not None else self._seeds.seed()
+        # Sampling runs over the ids both models share; padded logit rows past the tokenizer are never sampled.
+        self.vocab_size = target.vocab_size if draft is None else min(target.vocab_size, draft.vocab_size)
+        resources = DraftResources(config=config, target=target, draft=draft)
+        self.drafter: Drafter | None = None
+        if draft is not None or config.drafter != "model":
+            self.drafter = build(config.drafter, resources)
+
+    def reset(self) -> None:
+        """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""
+        self.target.cache.rollback(0)
+        if self.draft is not None:
+            self.draft.cache.rollback(0)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.target.max_len
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens < 1:
+            raise PromptTooLong("the prompt is empty")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{num_prompt_tokens} prompt tokens plus {max_tokens} new tokens"
+            )
+
+    def generate(self, request: Request, should_abort: Callable[[], bool] = lambda: False) -> Iterator[StepOutput]:
+        """Run one request to completion, yielding the tokens of every speculative step."""
+        params = request.params
+        self.check_fits(len(request.prompt_ids), params.max_tokens)
+        seq = self._begin(request)  # the caches keep the longest prefix shared with the last request
+        cached = self.target.cache.length
+        num_draft_tokens = self.config.num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        while True:
+            if should_abort():
+                yield StepOutput([], "abort", seq.prompt_len, cached, replace(seq.stats))
+                return
+            new = self.step(seq, self._clamp(seq, num_draft_tokens))
+            finish = None
+            for i, token in enumerate(new):
+                if token in stop_ids:
+                    new, finish = new[: i + 1], "stop"
+                    break
+            if finish is None and seq.num_generated + len(new) >= params.max_tokens:
+                new, finish = new[: params.max_tokens - seq.num_generated], "length"
+            seq.token_ids.extend(new)
+            seq.sampler.commit(new)
+            yield StepOutput(new, finish, seq.prompt_len, cached, replace(seq.stats))
+            if finish is not None:
+                return
+
+    def _begin(self, request: Request) -> _Sequence:
+        prompt = list(request.prompt_ids)
+        self.target.cache.reuse_prefix(prompt)
+        if self.drafter is not None:
+            self.drafter.begin(prompt)
+        seed = request.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        sampler = RequestSampler(request.params, self.vocab_size, self.target.device, prompt, seed)
+        return _Sequence(token_ids=prompt, prompt_len=len(prompt), sampler=sampler)
+
+    def _clamp(self, seq: _Sequence, num_draft_tokens: int) -> int:
+        """Draft no more than the request can still emit (minus the bonus token) or the cache can hold."""
+        if self.drafter is None:
+            return 0
+        remaining = seq.sampler.params.max_tokens - seq.num_generated
+        return max(0, min(num_draft_tokens, remaining - 1, self.max_model_len - len(seq.token_ids)))
+
+    def step(self, seq: _Sequence, num_draft_tokens: int) -> list[int]:
+        """One speculative step; returns the accepted draft tokens plus one target token."""
+        tokens, sampler = seq.token_ids, seq.sampler
+        # 1. The draft proposes k tokens with the distributions q it drew them from.
+        proposal = (
+            self.drafter.propose(tokens, num_draft_tokens, sampler)
+            if num_draft_tokens > 0 and self.drafter is not None
+            else Proposal.empty(self.target.device)
+        )
+        k = proposal.token_ids.shape[0]
+        # 2. The target scores the pending token(s) and all k drafts in one forward pass.
+        pending = tokens[self.target.cache.length :]
+        logits = self.target.extend(pending + proposal.token_ids.tolist(), num_logits=k + 1)  # [k+1, V]
+        p = sampler.probs(logits, proposal.token_ids)  # [k+1, V]
+        # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token.
+        verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator)
+        # 4. Both caches roll back to the accepted length.
+        num_committed = len(tokens) + verdict.num_accepted
+        self.target.cache.rollback(num_committed)
+        if self.drafter is not None:
+            self.drafter.accept(num_committed)
+        seq.stats.record(k, verdict.num_accepted)
+        return proposal.token_ids[: verdict.num_accepted].tolist() + [verdict.next_token]
+
+
+def build_engine(config: EngineConfig, target_model: torch.nn.Module, draft_model: torch.nn.Module | None, eos_token_ids: set[int]) -> SpecEngine:
+    """Wrap loaded Hugging Face models: caches are sized once, here, and reused for every request."""
+    limit = getattr(target_model.config, "max_position_embeddings", 4096)
+    max_len = config.max_model_len or min(limit, 4096)
+    target = CausalLM(target_model, max_len)
+    draft = CausalLM(draft_model, max_len) if draft_model is not None else None
+    return SpecEngine(config, target, draft, eos_token_ids)

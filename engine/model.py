@@ -1,0 +1,103 @@
+"""A lean forward pass for Llama-family decoders, over Hugging Face modules and weights.
+
+It reuses the checkpoint's own modules (norms, projections, MLP) and replaces what makes the
+stock forward slow at batch size 1: cache bookkeeping, mask building and rotary recomputation.
+Keys and values go into a preallocated ``KVCache``; attention reads only the live prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError
+from .kv import KVCache
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class UnsupportedModel(ConfigError):
+    pass
+
+
+class CausalLM:
+    """One model, its KV cache, and ``extend``: feed tokens, get logits."""
+
+    def __init__(self, hf_model: nn.Module, max_len: int) -> None:
+        config = hf_model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"model type {config.model_type!r} is not supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        hf_model.eval().requires_grad_(False)
+        self.hf_model = hf_model
+        self.config = config
+        body = hf_model.model
+        self.embed = body.embed_tokens
+        self.layers = list(body.layers)
+        self.norm = body.norm
+        self.lm_head = hf_model.lm_head
+        param = next(hf_model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = attn.scaling
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.max_len = max_len
+        self.cache = KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
+        # Rotary tables for every position, computed once by the checkpoint's own rotary module.
+        positions = torch.arange(max_len, device=self.device)[None]  # [1, S]
+        cos, sin = body.rotary_emb(torch.empty(0, device=self.device, dtype=self.dtype), positions)
+        self.cos, self.sin = cos[0], sin[0]  # [S, D]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.hf_model.parameters())
+
+    @torch.inference_mode()
+    def extend(self, token_ids: list[int], num_logits: int = 1) -> torch.Tensor:
+        """Append ``token_ids`` to the cache and return logits [num_logits, V] for the last positions."""
+        start = self.cache.length
+        if start + len(token_ids) > self.max_len:
+            raise ValueError(f"sequence of {start + len(token_ids)} tokens exceeds the cache of {self.max_len}")
+        input_ids = torch.tensor(token_ids, device=self.device)  # [T]
+        hidden = self._body(input_ids, start)  # [T, E]
+        self.cache.token_ids.extend(token_ids)
+        return self.lm_head(self.norm(hidden[-num_logits:]))  # [N, V]
+
+    def _body(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+        num_new = input_ids.shape[0]
+        end = start + num_new
+        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, D]
+        mask = None
+        if num_new > 1:  # query i (at position start+i) sees keys [0, start+i]
+            keys_pos = torch.arange(end, device=self.device)  # [S']
+            mask = keys_pos[None, :] <= (start + torch.arange(num_new, device=self.device))[:, None]  # [T, S']
+        hidden = self.embed(input_ids)[None]  # [1, T, E]
+        for index, layer in enumerate(self.layers):
+            hidden = hidden + self._attention(layer.self_attn, layer.input_layernorm(hidden), index, start, cos, sin, mask)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden[0]  # [T, E]
+
+    def _attention(self, attn, x, index, start, cos, sin, mask) -> torch.Tensor:
+        num_new = x.shape[1]
+        q = attn.q_proj(x).view(1, num_new, self.num_heads, self.head_dim)  # [1, T, H, D]
+        k = attn.k_proj(x).view(1, num_new, self.num_kv_heads, self.head_dim)  # [1, T, H_kv, D]
+        v = attn.v_proj(x).view(1, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, T, D]
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
+        k = _rotate(k.transpose(1, 2), cos, sin)  # [1, H_kv, T, D]
+        keys, values = self.cache.write(index, start, k, v)  # [1, H_kv, S', D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, num_new, -1))  # [1, T, E]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding with half-split pairs, as in the Llama checkpoints. x [1, H, T, D], cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

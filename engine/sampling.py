@@ -1,0 +1,156 @@
+"""Sampling parameters, and the one place where logits become probabilities.
+
+The target's p and the draft's q go through the same transforms at every drafted position, each
+position with its own prefix (committed tokens plus the draft tokens before it). That is what
+keeps speculative sampling exact when penalties depend on history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range. ``param`` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature", "must be between 0 and 2"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in a signed 64-bit integer"),
+        ]
+        for ok, param, why in checks:
+            if not ok:
+                raise SamplingError(f"{param} {why}, got {getattr(self, param)!r}", param)
+        for bias in self.logit_bias.values():
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingError(f"logit_bias values must be between -100 and 100, got {bias}", "logit_bias")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_history(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+class RequestSampler:
+    """Turns logits into probabilities for one request and owns its random generator.
+
+    The committed history (prompt and accepted output) lives here; ``probs`` adds the tokens
+    drafted on top of it.
+    """
+
+    def __init__(
+        self, params: SamplingParams, vocab_size: int, device: torch.device, prompt_ids: list[int], seed: int
+    ) -> None:
+        """``seed`` seeds this request's generator (the request's own seed when it has one)."""
+        self.params = params
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed % 2**64)
+        self._bias = None
+        if params.logit_bias:
+            self._bias = torch.zeros(vocab_size, device=device)  # [V]
+            for token_id, bias in params.logit_bias.items():
+                if 0 <= token_id < vocab_size:
+                    self._bias[token_id] = bias
+        # Penalty state: counts over generated tokens (presence/frequency, as OpenAI defines them) and
+        # a mask over prompt plus generated tokens (repetition, as in CTRL and Hugging Face).
+        self._output_counts = torch.zeros(vocab_size, device=device)  # [V]
+        self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
+        if params.repetition_penalty != 1.0 and prompt_ids:
+            self._seen[torch.tensor(prompt_ids, device=device).clamp(0, vocab_size - 1)] = True
+
+    def commit(self, token_ids: list[int]) -> None:
+        """Record tokens that became part of the output."""
+        if not self.params.uses_history or not token_ids:
+            return
+        ids = torch.tensor(token_ids, device=self.device)
+        self._output_counts.index_add_(0, ids, torch.ones(len(token_ids), device=self.device))
+        self._seen[ids] = True
+
+    def probs(self, logits: torch.Tensor, appended: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [T, V] -> probabilities [T, V] (float32).
+
+        ``appended`` [A] (A >= T - 1) are tokens after the committed history; row t of ``logits``
+        follows appended[:A - (T - 1) + t]. The verify pass gives A = k, T = k + 1; a draft step
+        gives the draft tokens so far and T = 1.
+        """
+        logits = logits[:, : self.vocab_size].float()  # [T, V]
+        if self.params.uses_history:
+            logits = self._apply_penalties(logits, appended)
+        if self._bias is not None:
+            logits = logits + self._bias
+        if self.params.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), self.vocab_size).float()  # [T, V]
+        logits = logits / self.params.temperature
+        if self.params.top_k > 0 and self.params.top_k < self.vocab_size:
+            kth = torch.topk(logits, self.params.top_k, dim=-1).values[:, -1:]  # [T, 1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # [T, V]
+        if self.params.top_p < 1.0:
+            probs = _top_p(probs, self.params.top_p)
+        if self.params.min_p > 0.0:
+            floor = probs.max(dim=-1, keepdim=True).values * self.params.min_p  # [T, 1]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def _apply_penalties(self, logits: torch.Tensor, appended: torch.Tensor | None) -> torch.Tensor:
+        rows = logits.shape[0]
+        counts = self._output_counts.expand(rows, -1)  # [T, V]
+        if appended is not None and appended.numel():
+            # Row t sees appended[:A - (T - 1) + t]: a cumulative one-hot over the appended tokens.
+            onehot = torch.nn.functional.one_hot(appended, self.vocab_size).float()  # [A, V]
+            cum = torch.cat([torch.zeros_like(onehot[:1]), onehot.cumsum(0)])  # [A+1, V]
+            first = appended.numel() - (rows - 1)
+            counts = counts + cum[first : first + rows]  # [T, V]
+        seen = self._seen.expand(rows, -1) | (counts > 0)  # [T, V]
+        p = self.params
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        if p.repetition_penalty != 1.0:
+            penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(seen, penalised, logits)
+        return logits
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose mass reaches top_p. probs [T, V]."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [T, V]
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [T, V]
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

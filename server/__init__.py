@@ -1,0 +1,1 @@
+"""specserve's OpenAI-compatible HTTP server."""

@@ -1,0 +1,70 @@
+"""Server settings: defaults < SPECSERVE_* environment < YAML preset (--config) < command-line flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.config import ConfigError, EngineConfig
+
+DEFAULT_DRAFT = "copy:bfloat16"  # until better drafters land: a lower-precision copy of the target
+
+
+class ServeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_", extra="forbid")
+
+    target: str | None = Field(default=None, description="model folder, hub id or .gguf file; none: embedded SmolLM2")
+    draft: str | None = Field(default="auto", description="draft model ref, copy:DTYPE, none, or auto")
+    drafter: str = "model"
+    num_draft_tokens: int = Field(default=4, ge=0, le=64)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=2)
+    served_model_name: str | None = None
+    seed: int | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @property
+    def resolved_draft(self) -> str | None:
+        """'auto' means the default draft for the embedded model and no draft for any other target."""
+        if self.draft is None or self.draft.lower() == "none":
+            return None
+        if self.draft == "auto":
+            return DEFAULT_DRAFT if self.target is None else None
+        return self.draft
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            target=self.target,
+            draft=self.resolved_draft,
+            drafter=self.drafter,
+            num_draft_tokens=self.num_draft_tokens,
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+        )
+
+    @classmethod
+    def load(cls, config_file: str | None, overrides: dict) -> ServeSettings:
+        values: dict = {}
+        if config_file is not None:
+            path = Path(config_file)
+            if not path.is_file():
+                raise ConfigError(f"config file not found: {config_file}")
+            loaded = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{config_file}: expected a mapping of setting names to values")
+            values = {key.replace("-", "_"): value for key, value in loaded.items()}
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"invalid settings: {problems}") from None

@@ -1,0 +1,93 @@
+"""Shared fixtures: a real `specserve serve` process on tiny local models."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.tiny import byte_tokenizer, perturbed_copy, tiny_llama
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+
+def start_server(args: list[str], log: Path, timeout: float = 180.0) -> Server:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args]
+    handle = log.open("w")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return Server(url, process, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise RuntimeError(f"server did not come up in {timeout}s:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random target and a noisy copy of it as the draft, with a byte-level tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = byte_tokenizer()
+    target = tiny_llama(seed=11, vocab_size=len(tokenizer), hidden=64, init=0.15)
+    draft = perturbed_copy(target, noise=0.05, seed=12)
+    for name, model in (("target", target), ("draft", draft)):
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dirs, tmp_path_factory) -> Iterator[Server]:
+    target, draft = tiny_model_dirs
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    running = start_server(
+        ["--target", str(target), "--draft", str(draft), "--device", "cpu", "--max-model-len", "256",
+         "--num-draft-tokens", "3", "--served-model-name", "tiny", "--seed", "0"],
+        log,
+    )
+    yield running
+    stop_server(running)

@@ -1,0 +1,74 @@
+"""The lean forward, static KV rollback and prefix reuse, checked against Hugging Face's forward."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from engine.engine import Request
+from engine.model import CausalLM
+from engine.sampling import SamplingParams
+from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]  # [T, V]
+
+
+def test_forward_in_chunks_matches_hugging_face():
+    model = tiny_llama(seed=0, vocab_size=50)
+    ids = torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    lm = CausalLM(model, max_len=64)
+    ours = torch.cat([lm.extend(ids[:7], 7), lm.extend(ids[7:8], 1), lm.extend(ids[8:], 22)])
+    assert torch.allclose(ours, reference_logits(model, ids), atol=1e-5)
+
+
+def test_qwen2_biases_are_used():
+    config = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.bias.normal_()
+    ids = list(range(12))
+    assert torch.allclose(CausalLM(model, 32).extend(ids, 12), reference_logits(model, ids), atol=1e-5)
+
+
+def test_rollback_discards_rejected_positions():
+    model = tiny_llama(seed=1, vocab_size=50)
+    lm = CausalLM(model, max_len=64)
+    lm.extend([1, 2, 3, 4, 5, 6], 1)
+    lm.cache.rollback(3)  # as if tokens 4, 5, 6 were rejected drafts
+    assert lm.cache.token_ids == [1, 2, 3]
+    logits = lm.extend([9, 8], 2)
+    assert torch.allclose(logits, reference_logits(model, [1, 2, 3, 9, 8])[-2:], atol=1e-5)
+
+
+def test_cache_storage_is_allocated_once():
+    engine = tiny_engine(tiny_llama(seed=2, vocab_size=50), perturbed_copy(tiny_llama(seed=2, vocab_size=50), 0.05, 0))
+    pointers = (engine.target.cache.keys.data_ptr(), engine.draft.cache.values.data_ptr())
+    for i in range(3):
+        list(engine.generate(Request(str(i), [i + 1, 2, 3], SamplingParams(max_tokens=10))))
+    assert (engine.target.cache.keys.data_ptr(), engine.draft.cache.values.data_ptr()) == pointers
+
+
+def test_prefix_reuse_skips_shared_prompt_and_keeps_output_exact():
+    target = tiny_llama(seed=3, vocab_size=60, init=0.2)
+    draft = perturbed_copy(target, 0.05, 1)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    warm = tiny_engine(target, draft)
+    first = list(warm.generate(Request("1", [5, 6, 7, 8, 9], greedy)))
+    turn = [5, 6, 7, 8, 9] + [t for o in first for t in o.token_ids] + [11, 12]
+    second = list(warm.generate(Request("2", turn, greedy)))
+    assert second[-1].cached_tokens >= 5 + len(first) and second[-1].cached_tokens < len(turn)
+    cold = list(tiny_engine(target, draft).generate(Request("2", turn, greedy)))
+    assert cold[-1].cached_tokens == 0
+    assert [t for o in second for t in o.token_ids] == [t for o in cold for t in o.token_ids]
+
+
+def test_unrelated_prompt_reuses_nothing():
+    engine = tiny_engine(tiny_llama(seed=4, vocab_size=60), None)
+    list(engine.generate(Request("1", [1, 2, 3], SamplingParams(max_tokens=4))))
+    outputs = list(engine.generate(Request("2", [9, 2, 3], SamplingParams(max_tokens=4))))
+    assert outputs[-1].cached_tokens == 0

@@ -1,0 +1,80 @@
+"""Logits to probabilities: each transform, and per-position history for drafted tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling import RequestSampler, SamplingError, SamplingParams
+
+
+def sampler(prompt=(), **params) -> RequestSampler:
+    return RequestSampler(SamplingParams(**params), 6, torch.device("cpu"), list(prompt), seed=0)
+
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+
+
+def test_greedy_is_one_hot_argmax():
+    assert sampler(temperature=0.0).probs(LOGITS).tolist() == [[1, 0, 0, 0, 0, 0]]
+
+
+def test_temperature_one_is_softmax():
+    assert torch.allclose(sampler().probs(LOGITS), torch.softmax(LOGITS, -1))
+
+
+def test_top_k_keeps_k_tokens():
+    probs = sampler(top_k=2).probs(LOGITS)[0]
+    assert (probs > 0).tolist() == [True, True, False, False, False, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    full = torch.softmax(LOGITS, -1)[0]  # .61 .22 .14 ...
+    probs = sampler(top_p=0.7).probs(LOGITS)[0]
+    assert (probs > 0).sum() == 2 and full[:2].sum() >= 0.7
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    probs = sampler(min_p=0.3).probs(LOGITS)[0]
+    assert (probs > 0).tolist() == [True, True, False, False, False, False]
+
+
+def test_logit_bias_can_force_a_token():
+    s = RequestSampler(SamplingParams(temperature=0.0, logit_bias={5: 100.0}), 6, torch.device("cpu"), [], seed=0)
+    assert s.probs(LOGITS)[0].argmax() == 5
+
+
+def test_penalties_for_drafted_positions_match_committed_history():
+    """Row t of a verify pass with drafts d must equal a fresh pass after committing d[:t]."""
+    params = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.4)
+    logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    drafts = torch.tensor([0, 0, 3])
+    verified = sampler(prompt=[2], **params).probs(logits, drafts)  # [4, V]
+    for t in range(4):
+        reference = sampler(prompt=[2], **params)
+        reference.commit(drafts[:t].tolist())
+        assert torch.allclose(verified[t], reference.probs(logits[t : t + 1])[0], atol=1e-6)
+
+
+def test_repetition_penalty_covers_the_prompt_presence_penalty_does_not():
+    logits = torch.zeros(1, 6)
+    logits[0, 1] = 1.0
+    assert sampler(prompt=[1], repetition_penalty=2.0, temperature=0.0).probs(logits)[0, 1] == 1.0  # 1/2 > 0
+    presence = sampler(prompt=[1], presence_penalty=2.0).probs(logits)[0]
+    assert torch.allclose(presence, torch.softmax(logits, -1)[0])  # the prompt does not count
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -0.1), ("top_p", 0.0), ("top_k", -2), ("max_tokens", 0), ("presence_penalty", 3.0), ("seed", 2**63)],
+)
+def test_out_of_range_parameters_are_rejected_with_their_name(field, value):
+    with pytest.raises(SamplingError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_same_seed_same_draws():
+    draws = [torch.multinomial(torch.ones(100), 5, generator=sampler(seed=42).generator).tolist() for _ in range(2)]
+    assert draws[0] == draws[1]

@@ -1,0 +1,81 @@
+"""The rejection sampler on hand-made distributions."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.spec import rejection_sample
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_draft_with_zero_target_probability_is_always_rejected():
+    p = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    for seed in range(50):
+        verdict = rejection_sample(torch.tensor([0]), q, p, gen(seed))
+        assert verdict.num_accepted == 0 and verdict.next_token in (1, 2)
+
+
+def test_draft_where_p_exceeds_q_is_always_accepted_and_bonus_drawn_from_last_row():
+    p = torch.tensor([[0.2, 0.8, 0.0], [0.0, 0.0, 1.0]])
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    for seed in range(50):
+        verdict = rejection_sample(torch.tensor([1]), q, p, gen(seed))
+        assert verdict.num_accepted == 1 and verdict.next_token == 2
+
+
+def test_residual_distribution_after_rejection():
+    """Rejected at p=(.5,.5,0) with q=(1,0,0): the residual max(0, p-q) puts all mass on token 1."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    outcomes = [rejection_sample(torch.tensor([0]), q, p, gen(seed)) for seed in range(400)]
+    rejected = [v for v in outcomes if v.num_accepted == 0]
+    assert all(v.next_token == 1 for v in rejected)
+    assert 150 < len(rejected) < 250  # acceptance probability p/q = 0.5
+
+
+def test_first_token_is_distributed_as_p():
+    """Draw x ~ q, verify, and the emitted first token follows p exactly (Leviathan et al., Theorem 1)."""
+    p0 = torch.tensor([0.1, 0.6, 0.3, 0.0])
+    q0 = torch.tensor([0.4, 0.1, 0.2, 0.3])
+    p = torch.stack([p0, torch.full((4,), 0.25)])
+    generator = gen(7)
+    counts = torch.zeros(4)
+    trials = 20000
+    for _ in range(trials):
+        draft = torch.multinomial(q0, 1, generator=generator)
+        verdict = rejection_sample(draft, q0[None], p, generator)
+        first = int(draft[0]) if verdict.num_accepted else verdict.next_token
+        counts[first] += 1
+    assert torch.allclose(counts / trials, p0, atol=0.015)
+
+
+def test_chain_stops_at_first_rejection():
+    p = torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    q = torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
+    verdict = rejection_sample(torch.tensor([1, 1, 0]), q, p, gen())
+    assert verdict.num_accepted == 1 and verdict.next_token == 0
+
+
+def test_deterministic_drafts_verify_as_one_hot():
+    """q=None (n-gram style): accept with probability p(x); resample from p without x."""
+    p = torch.tensor([[0.25, 0.75], [1.0, 0.0]])
+    outcomes = [rejection_sample(torch.tensor([1]), None, p, gen(seed)) for seed in range(400)]
+    rejected = [v for v in outcomes if v.num_accepted == 0]
+    assert all(v.next_token == 0 for v in rejected) and 60 < len(rejected) < 140
+
+
+def test_no_drafts_samples_from_p():
+    p = torch.tensor([[0.0, 0.0, 1.0]])
+    assert rejection_sample(torch.empty(0, dtype=torch.long), None, p, gen()).next_token == 2
+
+
+def test_greedy_one_hot_distributions_reduce_to_argmax_match():
+    eye = torch.eye(5)
+    p = eye[[3, 1, 4, 2]]  # target argmax at each position
+    q = eye[[3, 1, 0]]  # drafts 3, 1 agree; 0 does not
+    verdict = rejection_sample(torch.tensor([3, 1, 0]), q, p, gen())
+    assert verdict.num_accepted == 2 and verdict.next_token == 4

@@ -1,0 +1,85 @@
+"""Tiny random-weight models and a local byte-level tokenizer, built in-process (no hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from engine.config import EngineConfig
+from engine.engine import SpecEngine, build_engine
+
+SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer(extra_tokens: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """One token per byte (256) plus the chat specials: multi-byte characters span several tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: index for index, symbol in enumerate(alphabet)}
+    for token in extra_tokens or []:
+        vocab[token] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|im_end|>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def tiny_llama(seed: int, vocab_size: int, layers: int = 2, hidden: int = 32, init: float = 0.02) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=init,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def perturbed_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
+    """The same model with Gaussian noise on every weight: a draft that agrees often but not always."""
+    copy = LlamaForCausalLM(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * noise * param.std().clamp_min(1e-3))
+    return copy
+
+
+def tiny_engine(
+    target: LlamaForCausalLM,
+    draft: LlamaForCausalLM | None,
+    num_draft_tokens: int = 4,
+    eos: set[int] | None = None,
+    max_model_len: int = 256,
+) -> SpecEngine:
+    config = EngineConfig(
+        target="tiny", draft="tiny-draft" if draft is not None else None, num_draft_tokens=num_draft_tokens,
+        device="cpu", dtype="float32", max_model_len=max_model_len,
+    )
+    return build_engine(config, target, draft, eos or set())
+
+
+def save_tiny(folder: Path, seed: int, tokenizer: PreTrainedTokenizerFast, **kwargs) -> Path:
+    """A model folder the CLI can load with --target / --draft."""
+    model = tiny_llama(seed, len(tokenizer), **kwargs)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
