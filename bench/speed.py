@@ -71,12 +71,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "speed.json"))
     args = parser.parse_args()
 
-    config = EngineConfig(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens, max_model_len=2048)
+    config = EngineConfig(
+        target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens, max_model_len=2048
+    )
     models = load(config)
     eos = eos_token_ids(models.target, models.tokenizer)
     engines = {
         "target-only": build_engine(EngineConfig(target=args.target, max_model_len=2048), models.target, None, eos),
-        f"speculative (draft {args.draft}, k={args.num_draft_tokens})": build_engine(config, models.target, models.draft, eos),
+        f"speculative (draft {args.draft}, k={args.num_draft_tokens})": build_engine(
+            config, models.target, models.draft, eos
+        ),
     }
     results = {}
     for name, text in PROMPTS.items():

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .drafters import DraftResources, Drafter, Proposal, build
 from .config import EngineConfig
+from .drafters import Drafter, DraftResources, Proposal, build
 from .model import CausalLM
 from .sampling import RequestSampler, SamplingParams
 from .spec import rejection_sample
@@ -95,7 +95,9 @@ class SpecEngine:
         self.check_fits(len(request.prompt_ids), params.max_tokens)
         seq = self._begin(request)  # the caches keep the longest prefix shared with the last request
         cached = self.target.cache.length
-        num_draft_tokens = self.config.num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
+        num_draft_tokens = (
+            self.config.num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
+        )
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         while True:
             if should_abort():
@@ -158,7 +160,9 @@ class SpecEngine:
         return proposal.token_ids[: verdict.num_accepted].tolist() + [verdict.next_token]
 
 
-def build_engine(config: EngineConfig, target_model: torch.nn.Module, draft_model: torch.nn.Module | None, eos_token_ids: set[int]) -> SpecEngine:
+def build_engine(
+    config: EngineConfig, target_model: torch.nn.Module, draft_model: torch.nn.Module | None, eos_token_ids: set[int]
+) -> SpecEngine:
     """Wrap loaded Hugging Face models: caches are sized once, here, and reused for every request."""
     limit = getattr(target_model.config, "max_position_embeddings", 4096)
     max_len = config.max_model_len or min(limit, 4096)

@@ -49,7 +49,9 @@ class KVCache:
         self.rollback(shared)
         return shared
 
-    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [1, H_kv, T, D] at [start, start+T) and return the live [1, H_kv, start+T, D] views."""
         end = start + keys.shape[2]
         self.keys[layer, :, :, start:end] = keys

@@ -78,7 +78,9 @@ class CausalLM:
             mask = keys_pos[None, :] <= (start + torch.arange(num_new, device=self.device))[:, None]  # [T, S']
         hidden = self.embed(input_ids)[None]  # [1, T, E]
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._attention(layer.self_attn, layer.input_layernorm(hidden), index, start, cos, sin, mask)
+            hidden = hidden + self._attention(
+                layer.self_attn, layer.input_layernorm(hidden), index, start, cos, sin, mask
+            )
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden[0]  # [T, E]
 

@@ -13,7 +13,9 @@ from .settings import ServeSettings
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible server with lossless speculative decoding")
+    parser = argparse.ArgumentParser(
+        prog="specserve", description="OpenAI-compatible server with lossless speculative decoding"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP", argument_default=argparse.SUPPRESS)
     serve.add_argument("--config", default=None, help="YAML preset (see configs/); flags override it")
@@ -46,7 +48,11 @@ def serve(settings: ServeSettings) -> None:
     drafter = engine.drafter.name if engine.drafter else "none (target alone)"
     logging.getLogger("specserve").info(
         "serving %s on %s, drafter %s, k=%d, context %d",
-        loaded.model_name, engine.target.device, drafter, settings.num_draft_tokens, engine.max_model_len,
+        loaded.model_name,
+        engine.target.device,
+        drafter,
+        settings.num_draft_tokens,
+        engine.max_model_len,
     )
     app = create_app(AsyncEngine(engine), loaded.tokenizer, settings.served_model_name or loaded.model_name)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)

@@ -178,7 +178,9 @@ class OpenAIServing:
         request_id, created = new_id("cmpl"), now()
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-            return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
+            return CompletionResponse(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
 
         if body.echo:
             yield chunk([CompletionChoice(index=0, text=self._echo(body, prompt_ids))])
@@ -213,7 +215,9 @@ class OpenAIServing:
             created=now(),
             model=self.model_name,
             choices=[
-                ChatChoice(index=0, message=ChatResponseMessage(content="".join(parts)), finish_reason=delta.finish_reason)
+                ChatChoice(
+                    index=0, message=ChatResponseMessage(content="".join(parts)), finish_reason=delta.finish_reason
+                )
             ],
             usage=delta.usage,
         )
@@ -226,11 +230,16 @@ class OpenAIServing:
         request_id, created = new_id("chatcmpl"), now()
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
+            return ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
 
         yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
         async for delta in self._generate(prompt_ids, params):
             content = delta.text or None
-            yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=content), finish_reason=delta.finish_reason)], delta.usage)
+            yield chunk(
+                [ChatChunkChoice(index=0, delta=ChatDelta(content=content), finish_reason=delta.finish_reason)],
+                delta.usage,
+            )
         if body.stream_options and body.stream_options.include_usage:
             yield chunk([], delta.usage)

@@ -85,8 +85,22 @@ def server(tiny_model_dirs, tmp_path_factory) -> Iterator[Server]:
     target, draft = tiny_model_dirs
     log = tmp_path_factory.mktemp("logs") / "server.log"
     running = start_server(
-        ["--target", str(target), "--draft", str(draft), "--device", "cpu", "--max-model-len", "256",
-         "--num-draft-tokens", "3", "--served-model-name", "tiny", "--seed", "0"],
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "256",
+            "--num-draft-tokens",
+            "3",
+            "--served-model-name",
+            "tiny",
+            "--seed",
+            "0",
+        ],
         log,
     )
     yield running

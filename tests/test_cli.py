@@ -38,7 +38,11 @@ def test_invalid_settings_are_named():
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "server.cli", "serve", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
     )
 

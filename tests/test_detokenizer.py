@@ -26,7 +26,9 @@ def test_multibyte_characters_are_never_split(tokenizer):
 def test_pushing_many_tokens_at_once_matches_one_at_a_time(tokenizer):
     ids = tokenizer("speculative décodage ✓").input_ids
     detok = IncrementalDetokenizer(tokenizer, [])
-    assert detok.push(ids[:5]) + detok.push(ids[5:13]) + detok.push(ids[13:]) + detok.flush() == "speculative décodage ✓"
+    assert (
+        detok.push(ids[:5]) + detok.push(ids[5:13]) + detok.push(ids[13:]) + detok.flush() == "speculative décodage ✓"
+    )
 
 
 def test_stop_string_split_across_pushes_is_never_emitted():

@@ -142,7 +142,9 @@ def test_greedy_speculative_equals_target_greedy(num_draft_tokens):
     generator = torch.Generator().manual_seed(num_draft_tokens)
     accepted = drafted = 0
     for _ in range(12):
-        prompt = torch.randint(0, 96, (int(torch.randint(1, 20, (1,), generator=generator)),), generator=generator).tolist()
+        prompt = torch.randint(
+            0, 96, (int(torch.randint(1, 20, (1,), generator=generator)),), generator=generator
+        ).tolist()
         expected = greedy_reference(target, prompt, 24)
         outputs = list(engine.generate(Request("g", prompt, SamplingParams(max_tokens=24, temperature=0.0))))
         assert [t for o in outputs for t in o.token_ids] == expected
@@ -164,7 +166,9 @@ def test_greedy_penalties_use_each_positions_own_prefix():
     """Penalties depend on history: drafted positions must see the drafts before them."""
     target = tiny_llama(seed=5, vocab_size=32, init=0.1)
     draft = tiny_llama(seed=5, vocab_size=32, init=0.1)  # same weights: drafts agree unless penalties are misapplied
-    params = SamplingParams(max_tokens=30, temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
+    params = SamplingParams(
+        max_tokens=30, temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5
+    )
     speculative = run(tiny_engine(target, draft, num_draft_tokens=5), [4, 4, 9], params)
     alone = run(tiny_engine(target, None), [4, 4, 9], params)
     assert speculative == alone
@@ -179,5 +183,7 @@ def test_eos_and_max_tokens_end_generation():
     outputs = list(engine.generate(Request("e", [5, 6], SamplingParams(max_tokens=20, temperature=0.0))))
     tokens = [t for o in outputs for t in o.token_ids]
     assert tokens == expected[: expected.index(eos) + 1] and outputs[-1].finish_reason == "stop"
-    outputs = list(engine.generate(Request("l", [5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))))
+    outputs = list(
+        engine.generate(Request("l", [5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    )
     assert len([t for o in outputs for t in o.token_ids]) == 5 and outputs[-1].finish_reason == "length"

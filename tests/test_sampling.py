@@ -67,7 +67,14 @@ def test_repetition_penalty_covers_the_prompt_presence_penalty_does_not():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", -0.1), ("top_p", 0.0), ("top_k", -2), ("max_tokens", 0), ("presence_penalty", 3.0), ("seed", 2**63)],
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_k", -2),
+        ("max_tokens", 0),
+        ("presence_penalty", 3.0),
+        ("seed", 2**63),
+    ],
 )
 def test_out_of_range_parameters_are_rejected_with_their_name(field, value):
     with pytest.raises(SamplingError) as info:

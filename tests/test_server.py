@@ -40,7 +40,9 @@ def test_completion_with_the_sdk_reports_speculative_usage(client):
 
 def test_completion_stream_joins_to_the_non_streaming_text(client):
     whole = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=30, **GREEDY)
-    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=30, stream=True, **GREEDY))
+    chunks = list(
+        client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=30, stream=True, **GREEDY)
+    )
     assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
     assert [chunk.choices[0].finish_reason for chunk in chunks].count("length") == 1
 
@@ -70,8 +72,14 @@ def test_chat_content_parts_equal_plain_string(client):
 
 
 def test_raw_sse_chat_chunk_shapes(server):
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 12, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": 12,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     events = sse_events(server, "/chat/completions", body)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
@@ -99,7 +107,9 @@ def test_stop_string_never_appears(client):
     stop = text[10:13]
     stopped = client.completions.create(model="tiny", prompt="Stop here:", max_tokens=40, stop=[stop], **GREEDY)
     assert stopped.choices[0].text == text[: text.index(stop)] and stopped.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="tiny", prompt="Stop here:", max_tokens=40, stop=stop, stream=True, **GREEDY)
+    streamed = client.completions.create(
+        model="tiny", prompt="Stop here:", max_tokens=40, stop=stop, stream=True, **GREEDY
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed) == text[: text.index(stop)]
 
 
@@ -113,7 +123,10 @@ def test_seeded_sampling_is_reproducible(client):
 
 def test_next_chat_turn_reuses_the_cached_prefix(client):
     first = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, **GREEDY)
-    turn = CHAT + [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "more"}]
+    turn = CHAT + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "more"},
+    ]
     second = client.chat.completions.create(model="tiny", messages=turn, max_tokens=8, **GREEDY)
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
 

@@ -69,8 +69,12 @@ def tiny_engine(
     max_model_len: int = 256,
 ) -> SpecEngine:
     config = EngineConfig(
-        target="tiny", draft="tiny-draft" if draft is not None else None, num_draft_tokens=num_draft_tokens,
-        device="cpu", dtype="float32", max_model_len=max_model_len,
+        target="tiny",
+        draft="tiny-draft" if draft is not None else None,
+        num_draft_tokens=num_draft_tokens,
+        device="cpu",
+        dtype="float32",
+        max_model_len=max_model_len,
     )
     return build_engine(config, target, draft, eos or set())
 
