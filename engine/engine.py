@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +28,23 @@ class Request:
     num_draft_tokens: int | None = None  # None: the engine's default
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # log-softmax of the target's raw logits, before any sampling transform
+    top: list[tuple[int, float]]  # the N most likely (token id, logprob), when N > 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one speculative step did, for metrics."""
+
+    num_drafted: int
+    num_accepted: int
+    draft_seconds: float
+    verify_seconds: float
+
+
 @dataclass(slots=True)
 class StepOutput:
     token_ids: list[int]  # new tokens from this step (at least one unless finished by abort)
@@ -34,6 +52,16 @@ class StepOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused from the previous request
     stats: SpecStats = field(default_factory=SpecStats)
+    step: StepRecord | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output; the first token has none
+
+
+@dataclass(frozen=True, slots=True)
+class _StepResult:
+    token_ids: list[int]
+    target_logits: torch.Tensor  # [len(token_ids), V] the rows each token was verified or sampled from
+    record: StepRecord
 
 
 @dataclass(slots=True)
@@ -95,6 +123,7 @@ class SpecEngine:
         self.check_fits(len(request.prompt_ids), params.max_tokens)
         seq = self._begin(request)  # the caches keep the longest prefix shared with the last request
         cached = self.target.cache.length
+        prompt_logprobs = self._prompt_logprobs(seq) if params.prompt_logprobs is not None else None
         num_draft_tokens = (
             self.config.num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
         )
@@ -103,8 +132,8 @@ class SpecEngine:
             if should_abort():
                 yield StepOutput([], "abort", seq.prompt_len, cached, replace(seq.stats))
                 return
-            new = self.step(seq, self._clamp(seq, num_draft_tokens))
-            finish = None
+            result = self.step(seq, self._clamp(seq, num_draft_tokens))
+            new, finish = result.token_ids, None
             for i, token in enumerate(new):
                 if token in stop_ids:
                     new, finish = new[: i + 1], "stop"
@@ -113,7 +142,13 @@ class SpecEngine:
                 new, finish = new[: params.max_tokens - seq.num_generated], "length"
             seq.token_ids.extend(new)
             seq.sampler.commit(new)
-            yield StepOutput(new, finish, seq.prompt_len, cached, replace(seq.stats))
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = self._logprobs(result.target_logits[: len(new)], new, params.logprobs)
+            yield StepOutput(
+                new, finish, seq.prompt_len, cached, replace(seq.stats), result.record, logprobs, prompt_logprobs
+            )
+            prompt_logprobs = None
             if finish is not None:
                 return
 
@@ -128,6 +163,25 @@ class SpecEngine:
         sampler = RequestSampler(request.params, self.vocab_size, self.target.device, prompt, seed)
         return _Sequence(token_ids=prompt, prompt_len=len(prompt), sampler=sampler)
 
+    def _logprobs(self, logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
+        """logits [N, V] at the positions that produced ``token_ids`` -> one TokenLogprob each."""
+        logprobs = torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1)  # [N, V]
+        chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+        if top_n > 0:
+            values, indices = logprobs.topk(top_n, dim=-1)  # [N, top_n]
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+        return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops, strict=True)]
+
+    def _prompt_logprobs(self, seq: _Sequence) -> list[TokenLogprob | None]:
+        """Score the whole prompt (no prefix reuse); the cache ends holding all but its last token."""
+        prompt = seq.token_ids
+        self.target.cache.rollback(0)
+        if len(prompt) == 1:
+            return [None]
+        logits = self.target.extend(prompt[:-1], num_logits=len(prompt) - 1)  # [P-1, V]
+        return [None, *self._logprobs(logits, prompt[1:], seq.sampler.params.prompt_logprobs or 0)]
+
     def _clamp(self, seq: _Sequence, num_draft_tokens: int) -> int:
         """Draft no more than the request can still emit (minus the bonus token) or the cache can hold."""
         if self.drafter is None:
@@ -135,9 +189,10 @@ class SpecEngine:
         remaining = seq.sampler.params.max_tokens - seq.num_generated
         return max(0, min(num_draft_tokens, remaining - 1, self.max_model_len - len(seq.token_ids)))
 
-    def step(self, seq: _Sequence, num_draft_tokens: int) -> list[int]:
-        """One speculative step; returns the accepted draft tokens plus one target token."""
+    def step(self, seq: _Sequence, num_draft_tokens: int) -> _StepResult:
+        """One speculative step: the accepted draft tokens plus one token from the target."""
         tokens, sampler = seq.token_ids, seq.sampler
+        started = time.perf_counter()
         # 1. The draft proposes k tokens with the distributions q it drew them from.
         proposal = (
             self.drafter.propose(tokens, num_draft_tokens, sampler)
@@ -145,6 +200,7 @@ class SpecEngine:
             else Proposal.empty(self.target.device)
         )
         k = proposal.token_ids.shape[0]
+        drafted = time.perf_counter()
         # 2. The target scores the pending token(s) and all k drafts in one forward pass.
         pending = tokens[self.target.cache.length :]
         logits = self.target.extend(pending + proposal.token_ids.tolist(), num_logits=k + 1)  # [k+1, V]
@@ -156,8 +212,10 @@ class SpecEngine:
         self.target.cache.rollback(num_committed)
         if self.drafter is not None:
             self.drafter.accept(num_committed)
-        seq.stats.record(k, verdict.num_accepted)
-        return proposal.token_ids[: verdict.num_accepted].tolist() + [verdict.next_token]
+        n = verdict.num_accepted
+        seq.stats.record(k, n)
+        record = StepRecord(k, n, drafted - started, time.perf_counter() - drafted)
+        return _StepResult(proposal.token_ids[:n].tolist() + [verdict.next_token], logits[: n + 1], record)
 
 
 def build_engine(

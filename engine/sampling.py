@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_LOGPROBS = 20
+
 
 class SamplingError(ValueError):
     """A sampling parameter is out of range. ``param`` names the request field."""
@@ -35,6 +37,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's plus the top N (0..20)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,6 +58,10 @@ class SamplingParams:
         for ok, param, why in checks:
             if not ok:
                 raise SamplingError(f"{param} {why}, got {getattr(self, param)!r}", param)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise SamplingError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
         for bias in self.logit_bias.values():
             if not -100.0 <= bias <= 100.0:
                 raise SamplingError(f"logit_bias values must be between -100 and 100, got {bias}", "logit_bias")

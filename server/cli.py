@@ -37,24 +37,20 @@ def _parser() -> argparse.ArgumentParser:
 def serve(settings: ServeSettings) -> None:
     import uvicorn
 
-    from engine.async_engine import AsyncEngine
     from engine.factory import load_engine
 
     from .app import create_app
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at serving time
-    loaded = load_engine(settings.engine_config())
-    engine = loaded.engine
-    drafter = engine.drafter.name if engine.drafter else "none (target alone)"
+    config = settings.engine_config()
     logging.getLogger("specserve").info(
-        "serving %s on %s, drafter %s, k=%d, context %d",
-        loaded.model_name,
-        engine.target.device,
-        drafter,
-        settings.num_draft_tokens,
-        engine.max_model_len,
+        "loading %s, draft %s, drafter %s, k=%d",
+        config.target or "the embedded default",
+        config.draft,
+        config.drafter,
+        config.num_draft_tokens,
     )
-    app = create_app(AsyncEngine(engine), loaded.tokenizer, settings.served_model_name or loaded.model_name)
+    app = create_app(lambda: load_engine(config), settings.served_model_name)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
 
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
 
 from engine.async_engine import AsyncEngine, EngineDead
-from engine.engine import PromptTooLong, Request, StepOutput
+from engine.engine import PromptTooLong, Request, StepOutput, TokenLogprob
 from engine.sampling import SamplingError, SamplingParams
+from engine.stats import SpecStats
 
-from .detokenizer import TextStream
+from .detokenizer import IncrementalDetokenizer, TextStream
 from .errors import BadRequest, EngineUnavailable, ModelNotFound
+from .metrics import Metrics
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -21,41 +24,90 @@ from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatResponseMessage,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
     SpeculativeUsage,
+    TopLogprob,
     Usage,
     _Request,
     new_id,
     now,
 )
 
+MAX_STOP_STRINGS = 4
+MAX_N = 16
+MAX_PROMPTS = 64
+
+
+@dataclass(slots=True)
+class TokenPiece:
+    """One generated token: the text it released (joined pieces equal the output) and its logprob."""
+
+    text: str
+    logprob: TokenLogprob | None
+
 
 @dataclass(slots=True)
 class TextDelta:
     text: str
+    pieces: list[TokenPiece] | None = None  # when logprobs were asked for
     finish_reason: str | None = None
-    usage: Usage | None = None  # set on the last delta
+    final: StepOutput | None = None  # the engine's last output, on the last delta
+    completion_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
 
 
-def usage_of(output: StepOutput, completion_tokens: int) -> Usage:
-    return Usage(
-        prompt_tokens=output.prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=output.prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.cached_tokens),
-        speculative=SpeculativeUsage(**output.stats.to_dict()),
-    )
+@dataclass(slots=True)
+class UsageTotals:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def add(self, delta: TextDelta, count_prompt: bool) -> None:
+        output = delta.final
+        if count_prompt:
+            self.prompt_tokens += output.prompt_tokens
+            self.cached_tokens += output.cached_tokens
+        self.completion_tokens += delta.completion_tokens
+        for name in ("drafted_tokens", "accepted_tokens", "target_forwards", "emitted_tokens"):
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(output.stats, name))
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            speculative=SpeculativeUsage(**self.stats.to_dict()),
+        )
+
+
+@dataclass(slots=True)
+class Choice:
+    """One generation to run: choices run one after another at batch size 1."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_of_prompt: bool  # usage counts each prompt once, however many choices it has
+    echo: str = ""
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, metrics: Metrics
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.metrics = metrics
         self.vocab_size = engine.engine.vocab_size
 
     # ---- request -> engine --------------------------------------------------------------------
@@ -64,19 +116,20 @@ class OpenAIServing:
         if name and name != self.model_name:
             raise ModelNotFound(f"the model '{name}' does not exist; this server serves '{self.model_name}'", "model")
 
-    def _sampling_params(self, body: _Request, max_tokens: int) -> SamplingParams:
-        if body.n != 1:
-            raise BadRequest("n > 1 is not supported yet", "n")
+    def _sampling_params(self, body: _Request, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if body.stream_options is not None and not body.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        if body.n > MAX_N:
+            raise BadRequest(f"n must be at most {MAX_N}", "n")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
         logit_bias: dict[int, float] = {}
         for key, bias in (body.logit_bias or {}).items():
             if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
                 raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {self.vocab_size})", "logit_bias")
             logit_bias[int(key)] = bias
         values = {
-            "max_tokens": max_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,
@@ -84,15 +137,17 @@ class OpenAIServing:
             "presence_penalty": body.presence_penalty,
             "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty,
-            "seed": body.seed,
         }
         try:
             return SamplingParams(
+                max_tokens=max_tokens,
                 **{key: value for key, value in values.items() if value is not None},
+                seed=body.seed,
                 logit_bias=logit_bias,
                 stop=stop,
                 stop_token_ids=list(body.stop_token_ids or []),
                 ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
             )
         except SamplingError as exc:
             raise BadRequest(str(exc), exc.param) from exc
@@ -103,19 +158,30 @@ class OpenAIServing:
         except PromptTooLong as exc:
             raise BadRequest(str(exc), param, code="context_length_exceeded") from exc
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+    def _choices(self, prompts: list[list[int]], params: SamplingParams, n: int, echoes: list[str]) -> list[Choice]:
+        """Prompt i's j-th choice gets index i * n + j; a seeded request gives each choice seed + j."""
+        choices = []
+        for i, prompt_ids in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else (params.seed + j) % 2**63
+                choice_params = replace(params, seed=seed)
+                choices.append(Choice(i * n + j, prompt_ids, choice_params, j == 0, echoes[i]))
+        return choices
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise BadRequest("a list of several prompts is not supported yet; send one prompt", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt).input_ids
-        if not prompt:
-            raise BadRequest("prompt must not be empty", "prompt")
-        if any(not 0 <= token < self.vocab_size for token in prompt):
-            raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        return list(prompt)
+        prompts: list = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise BadRequest(f"prompt must hold between 1 and {MAX_PROMPTS} prompts", "prompt")
+        encoded = []
+        for item in prompts:
+            ids = self.tokenizer(item).input_ids if isinstance(item, str) else list(item)
+            if not ids:
+                raise BadRequest("prompt must not be empty", "prompt")
+            if any(not 0 <= token < self.vocab_size for token in ids):
+                raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+            encoded.append(ids)
+        return encoded
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -126,120 +192,258 @@ class OpenAIServing:
 
     # ---- engine -> text -----------------------------------------------------------------------
 
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TextDelta]:
-        """Run one request and yield text as it becomes safe to send; the last delta has the usage."""
-        text = TextStream(self.tokenizer, prompt_ids, params.stop)
+    async def _generate(self, choice: Choice, endpoint: str) -> AsyncIterator[TextDelta]:
+        """Run one choice and yield text as it becomes safe to send; the last delta carries the totals."""
+        params = choice.params
+        text = TextStream(self.tokenizer, choice.prompt_ids, params.stop)
         completion_tokens = 0
-        request = Request(uuid.uuid4().hex, prompt_ids, params)
+        started = last = time.perf_counter()
+        prompt_logprobs = None
+        outputs = self.engine.generate(Request(uuid.uuid4().hex, choice.prompt_ids, params))
         try:
-            outputs = self.engine.generate(request)
             async for output in outputs:
+                now_ = time.perf_counter()
+                self._observe(output, now_ - last, first=completion_tokens == 0)
+                last = now_
                 completion_tokens += len(output.token_ids)
-                piece = text.push(output.token_ids)
+                prompt_logprobs = prompt_logprobs or output.prompt_logprobs
+                if params.logprobs is None:
+                    pieces, piece = None, text.push(output.token_ids)
+                else:
+                    pieces = self._pieces(text, output)
+                    piece = "".join(p.text for p in pieces)
                 finish = "stop" if text.stopped else output.finish_reason
-                if finish is not None:
-                    piece += text.finish()
-                    yield TextDelta(piece, finish, usage_of(output, completion_tokens))
-                    return
-                if piece:
-                    yield TextDelta(piece)
+                if finish is None:
+                    if piece:
+                        yield TextDelta(piece, pieces, prompt_logprobs=prompt_logprobs)
+                        prompt_logprobs = None
+                    continue
+                tail = text.finish()
+                if pieces and tail:
+                    pieces[-1].text += tail
+                self.metrics.e2e.observe(time.perf_counter() - started)
+                self.metrics.requests.labels(endpoint=endpoint, finish_reason=finish).inc()
+                self.metrics.prompt_tokens.inc(output.prompt_tokens)
+                self.metrics.cached_prompt_tokens.inc(output.cached_tokens)
+                yield TextDelta(piece + tail, pieces, finish, output, completion_tokens, prompt_logprobs)
+                return
         except EngineDead as exc:
             raise EngineUnavailable(str(exc)) from exc
         finally:
             await outputs.aclose()  # leaving early (stop string, disconnect) aborts the request
 
+    def _observe(self, output: StepOutput, gap: float, first: bool) -> None:
+        if output.step is not None:
+            self.metrics.observe_step(output.step)
+        count = len(output.token_ids)
+        if not count:
+            return
+        self.metrics.generation_tokens.inc(count)
+        if first:
+            self.metrics.ttft.observe(gap)
+        else:
+            for _ in range(count):
+                self.metrics.itl.observe(gap / count)
+
+    @staticmethod
+    def _pieces(text: TextStream, output: StepOutput) -> list[TokenPiece]:
+        """Push tokens one at a time so each logprob is paired with exactly the text it released."""
+        pieces = []
+        for token, logprob in zip(output.token_ids, output.logprobs or [], strict=False):
+            if text.stopped:
+                break
+            pieces.append(TokenPiece(text.push([token]), logprob))
+        return pieces
+
+    def _prompt_pieces(self, prompt_ids: list[int], logprobs: list[TokenLogprob | None]) -> list[TokenPiece]:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, [])
+        texts = [detokenizer.push([token]) for token in prompt_ids]
+        texts[-1] += detokenizer.flush()
+        return [TokenPiece(t, lp) for t, lp in zip(texts, logprobs, strict=True)]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
     # ---- /v1/completions ------------------------------------------------------------------------
 
-    def prepare_completion(self, body: CompletionRequest) -> tuple[list[int], SamplingParams]:
+    def prepare_completion(self, body: CompletionRequest) -> list[Choice]:
         self.check_model(body.model)
-        prompt_ids = self.completion_prompt(body)
-        params = self._sampling_params(body, body.max_tokens or 16)
-        self._check_fits(prompt_ids, params.max_tokens, "max_tokens")
-        return prompt_ids, params
+        if body.suffix:
+            raise BadRequest("suffix is not supported", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise BadRequest("best_of is not supported (only best_of == n)", "best_of")
+        prompts = self.completion_prompts(body)
+        params = self._sampling_params(body, body.max_tokens or 16, body.logprobs)
+        if body.echo and body.logprobs is not None:
+            params = replace(params, prompt_logprobs=body.logprobs)
+        for prompt_ids in prompts:
+            self._check_fits(prompt_ids, params.max_tokens, "max_tokens")
+        echoes = [self._echo(body, i, ids) for i, ids in enumerate(prompts)]
+        return self._choices(prompts, params, body.n, echoes)
+
+    def _echo(self, body: CompletionRequest, index: int, prompt_ids: list[int]) -> str:
+        if not body.echo:
+            return ""
+        prompt = (
+            body.prompt[index] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+        )
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+
+    def _completion_logprobs(self, pieces: list[TokenPiece] | None, offset: int) -> CompletionLogprobs | None:
+        if pieces is None:
+            return None
+        offsets = []
+        for piece in pieces:
+            offsets.append(offset)
+            offset += len(piece.text)
+        return CompletionLogprobs(
+            tokens=[piece.text for piece in pieces],
+            token_logprobs=[piece.logprob.logprob if piece.logprob else None for piece in pieces],
+            top_logprobs=[
+                {self._token_text(t): lp for t, lp in piece.logprob.top} if piece.logprob else None for piece in pieces
+            ],
+            text_offset=offsets,
+        )
 
     async def completion(self, body: CompletionRequest) -> CompletionResponse:
-        prompt_ids, params = self.prepare_completion(body)
-        parts: list[str] = [self._echo(body, prompt_ids)]
-        async for delta in self._generate(prompt_ids, params):
-            parts.append(delta.text)
+        choices, totals = [], UsageTotals()
+        for choice in self.prepare_completion(body):
+            parts, pieces, offset = [choice.echo], [], len(choice.echo)
+            async for delta in self._generate(choice, "completions"):
+                parts.append(delta.text)
+                pieces.extend(delta.pieces or [])
+                if delta.prompt_logprobs is not None:
+                    pieces[:0] = self._prompt_pieces(choice.prompt_ids, delta.prompt_logprobs)
+                    offset = 0
+            totals.add(delta, choice.first_of_prompt)
+            logprobs = self._completion_logprobs(pieces if choice.params.logprobs is not None else None, 0)
+            if logprobs is not None and offset:  # echo without prompt logprobs: offsets start after the prompt
+                logprobs.text_offset = [o + offset for o in logprobs.text_offset]
+            choices.append(
+                CompletionChoice(
+                    index=choice.index, text="".join(parts), logprobs=logprobs, finish_reason=delta.finish_reason
+                )
+            )
         return CompletionResponse(
-            id=new_id("cmpl"),
-            created=now(),
-            model=self.model_name,
-            choices=[CompletionChoice(index=0, text="".join(parts), finish_reason=delta.finish_reason)],
-            usage=delta.usage,
+            id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices, usage=totals.usage()
         )
 
     async def completion_stream(self, body: CompletionRequest) -> AsyncIterator[CompletionResponse]:
-        prompt_ids, params = self.prepare_completion(body)
-        return self._completion_chunks(body, prompt_ids, params)
+        return self._completion_chunks(body, self.prepare_completion(body))
 
-    async def _completion_chunks(self, body, prompt_ids, params) -> AsyncIterator[CompletionResponse]:
-        request_id, created = new_id("cmpl"), now()
+    async def _completion_chunks(
+        self, body: CompletionRequest, choices: list[Choice]
+    ) -> AsyncIterator[CompletionResponse]:
+        request_id, created, totals = new_id("cmpl"), now(), UsageTotals()
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
             return CompletionResponse(
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
             )
 
-        if body.echo:
-            yield chunk([CompletionChoice(index=0, text=self._echo(body, prompt_ids))])
-        async for delta in self._generate(prompt_ids, params):
-            yield chunk([CompletionChoice(index=0, text=delta.text, finish_reason=delta.finish_reason)], delta.usage)
+        for choice in choices:
+            offset, echoed = 0, False
+            async for delta in self._generate(choice, "completions"):
+                if choice.echo and not echoed:
+                    echoed = True
+                    prompt_logprobs = delta.prompt_logprobs
+                    echo_pieces = self._prompt_pieces(choice.prompt_ids, prompt_logprobs) if prompt_logprobs else None
+                    yield chunk(
+                        [
+                            CompletionChoice(
+                                index=choice.index, text=choice.echo, logprobs=self._completion_logprobs(echo_pieces, 0)
+                            )
+                        ]
+                    )
+                    offset = len(choice.echo)
+                logprobs = self._completion_logprobs(delta.pieces, offset)
+                offset += len(delta.text)
+                if delta.final is not None:
+                    totals.add(delta, choice.first_of_prompt)
+                usage = totals.usage() if delta.final is not None and choice is choices[-1] else None
+                yield chunk(
+                    [
+                        CompletionChoice(
+                            index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+                        )
+                    ],
+                    usage,
+                )
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], delta.usage)
-
-    def _echo(self, body: CompletionRequest, prompt_ids: list[int]) -> str:
-        if not body.echo:
-            return ""
-        return body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)
+            yield chunk([], totals.usage())
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
 
-    def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    def prepare_chat(self, body: ChatCompletionRequest) -> list[Choice]:
         self.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs requires logprobs: true", "top_logprobs")
         prompt_ids = self.chat_prompt(body)
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = requested or max(1, self.engine.engine.max_model_len - len(prompt_ids))
-        params = self._sampling_params(body, max_tokens)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, max_tokens, logprobs)
         self._check_fits(prompt_ids, params.max_tokens, "max_completion_tokens" if requested else "messages")
-        return prompt_ids, params
+        return self._choices([prompt_ids], params, body.n, [""])
+
+    def _chat_logprobs(self, pieces: list[TokenPiece] | None) -> ChatLogprobs | None:
+        if pieces is None:
+            return None
+        content = []
+        for piece in pieces:
+            top = [
+                TopLogprob(token=(text := self._token_text(t)), logprob=lp, bytes=list(text.encode()))
+                for t, lp in piece.logprob.top
+            ]
+            content.append(
+                ChatTokenLogprob(
+                    token=piece.text, logprob=piece.logprob.logprob, bytes=list(piece.text.encode()), top_logprobs=top
+                )
+            )
+        return ChatLogprobs(content=content)
 
     async def chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
-        prompt_ids, params = self.prepare_chat(body)
-        parts: list[str] = []
-        async for delta in self._generate(prompt_ids, params):
-            parts.append(delta.text)
+        choices, totals = [], UsageTotals()
+        for choice in self.prepare_chat(body):
+            parts, pieces = [], []
+            async for delta in self._generate(choice, "chat"):
+                parts.append(delta.text)
+                pieces.extend(delta.pieces or [])
+            totals.add(delta, choice.first_of_prompt)
+            logprobs = self._chat_logprobs(pieces if choice.params.logprobs is not None else None)
+            message = ChatResponseMessage(content="".join(parts))
+            choices.append(
+                ChatChoice(index=choice.index, message=message, logprobs=logprobs, finish_reason=delta.finish_reason)
+            )
         return ChatCompletionResponse(
-            id=new_id("chatcmpl"),
-            created=now(),
-            model=self.model_name,
-            choices=[
-                ChatChoice(
-                    index=0, message=ChatResponseMessage(content="".join(parts)), finish_reason=delta.finish_reason
-                )
-            ],
-            usage=delta.usage,
+            id=new_id("chatcmpl"), created=now(), model=self.model_name, choices=choices, usage=totals.usage()
         )
 
     async def chat_stream(self, body: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
-        prompt_ids, params = self.prepare_chat(body)
-        return self._chat_chunks(body, prompt_ids, params)
+        return self._chat_chunks(body, self.prepare_chat(body))
 
-    async def _chat_chunks(self, body, prompt_ids, params) -> AsyncIterator[ChatCompletionChunk]:
-        request_id, created = new_id("chatcmpl"), now()
+    async def _chat_chunks(
+        self, body: ChatCompletionRequest, choices: list[Choice]
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        request_id, created, totals = new_id("chatcmpl"), now(), UsageTotals()
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
             )
 
-        yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
-        async for delta in self._generate(prompt_ids, params):
-            content = delta.text or None
-            yield chunk(
-                [ChatChunkChoice(index=0, delta=ChatDelta(content=content), finish_reason=delta.finish_reason)],
-                delta.usage,
-            )
+        for choice in choices:
+            yield chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
+            async for delta in self._generate(choice, "chat"):
+                if delta.final is not None:
+                    totals.add(delta, choice.first_of_prompt)
+                usage = totals.usage() if delta.final is not None and choice is choices[-1] else None
+                chunk_choice = ChatChunkChoice(
+                    index=choice.index,
+                    delta=ChatDelta(content=delta.text or None),
+                    logprobs=self._chat_logprobs(delta.pieces),
+                    finish_reason=delta.finish_reason,
+                )
+                yield chunk([chunk_choice], usage)
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], delta.usage)
+            yield chunk([], totals.usage())
