@@ -10,6 +10,7 @@ import torch
 
 from .config import EngineConfig
 from .drafters import Drafter, DraftResources, Proposal, build
+from .grammar import TokenConstraint
 from .model import CausalLM
 from .sampling import RequestSampler, SamplingParams
 from .spec import rejection_sample
@@ -26,6 +27,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     num_draft_tokens: int | None = None  # None: the engine's default
+    grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +162,10 @@ class SpecEngine:
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        sampler = RequestSampler(request.params, self.vocab_size, self.target.device, prompt, seed)
+        constraint = None
+        if request.grammar is not None:
+            constraint = TokenConstraint(request.grammar, self.vocab_size)
+        sampler = RequestSampler(request.params, self.vocab_size, self.target.device, prompt, seed, constraint)
         return _Sequence(token_ids=prompt, prompt_len=len(prompt), sampler=sampler)
 
     def _logprobs(self, logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:

@@ -8,8 +8,12 @@ keeps speculative sampling exact when penalties depend on history.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .grammar import TokenConstraint
 
 MAX_LOGPROBS = 20
 
@@ -83,10 +87,17 @@ class RequestSampler:
     """
 
     def __init__(
-        self, params: SamplingParams, vocab_size: int, device: torch.device, prompt_ids: list[int], seed: int
+        self,
+        params: SamplingParams,
+        vocab_size: int,
+        device: torch.device,
+        prompt_ids: list[int],
+        seed: int,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         """``seed`` seeds this request's generator (the request's own seed when it has one)."""
         self.params = params
+        self.constraint = constraint
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device)
@@ -106,6 +117,8 @@ class RequestSampler:
 
     def commit(self, token_ids: list[int]) -> None:
         """Record tokens that became part of the output."""
+        if self.constraint is not None:
+            self.constraint.commit(token_ids)
         if not self.params.uses_history or not token_ids:
             return
         ids = torch.tensor(token_ids, device=self.device)
@@ -124,6 +137,9 @@ class RequestSampler:
             logits = self._apply_penalties(logits, appended)
         if self._bias is not None:
             logits = logits + self._bias
+        if self.constraint is not None:
+            drafted = [] if appended is None else appended.tolist()
+            logits = self.constraint.apply(logits.clone(), drafted)
         if self.params.greedy:
             return torch.nn.functional.one_hot(logits.argmax(-1), self.vocab_size).float()  # [T, V]
         logits = logits / self.params.temperature

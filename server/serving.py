@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.async_engine import AsyncEngine, EngineDead
 from engine.engine import PromptTooLong, Request, StepOutput, TokenLogprob
+from engine.grammar import GrammarCompiler, GrammarError
 from engine.sampling import SamplingError, SamplingParams
 from engine.stats import SpecStats
 
@@ -32,6 +33,7 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
+    ResponseFormat,
     SpeculativeUsage,
     TopLogprob,
     Usage,
@@ -98,6 +100,7 @@ class Choice:
     params: SamplingParams
     first_of_prompt: bool  # usage counts each prompt once, however many choices it has
     echo: str = ""
+    grammar: object | None = None  # a compiled grammar the output must follow
 
 
 class OpenAIServing:
@@ -109,6 +112,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.vocab_size = engine.engine.vocab_size
+        self._grammars: GrammarCompiler | None = None  # built on first use: it indexes the whole vocabulary
 
     # ---- request -> engine --------------------------------------------------------------------
 
@@ -199,7 +203,7 @@ class OpenAIServing:
         completion_tokens = 0
         started = last = time.perf_counter()
         prompt_logprobs = None
-        outputs = self.engine.generate(Request(uuid.uuid4().hex, choice.prompt_ids, params))
+        outputs = self.engine.generate(Request(uuid.uuid4().hex, choice.prompt_ids, params, grammar=choice.grammar))
         try:
             async for output in outputs:
                 now_ = time.perf_counter()
@@ -384,7 +388,25 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, logprobs)
         self._check_fits(prompt_ids, params.max_tokens, "max_completion_tokens" if requested else "messages")
-        return self._choices([prompt_ids], params, body.n, [""])
+        choices = self._choices([prompt_ids], params, body.n, [""])
+        grammar = self._grammar(body.response_format)
+        for choice in choices:
+            choice.grammar = grammar
+        return choices
+
+    def _grammar(self, response_format: ResponseFormat | None) -> object | None:
+        if response_format is None or response_format.type == "text":
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.engine.engine.eos_token_ids)
+        if response_format.type == "json_object":
+            return self._grammars.json_object()
+        if response_format.json_schema is None:
+            raise BadRequest("response_format json_schema needs a json_schema object", "response_format.json_schema")
+        try:
+            return self._grammars.json_schema(response_format.json_schema.schema_)
+        except GrammarError as exc:
+            raise BadRequest(str(exc), "response_format.json_schema") from exc
 
     def _chat_logprobs(self, pieces: list[TokenPiece] | None) -> ChatLogprobs | None:
         if pieces is None:

@@ -77,7 +77,9 @@ def test_legacy_logprobs_shape(client):
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
     assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
     # greedy: the chosen token is the most likely one (top keys are strings, so byte tokens can collide)
-    assert all(lp >= max(top.values()) - 1e-4 for lp, top in zip(logprobs.token_logprobs, logprobs.top_logprobs))
+    assert all(
+        lp >= max(top.values()) - 1e-4 for lp, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True)
+    )
     assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
 
 
@@ -258,3 +260,85 @@ def test_async_sdk_streaming_and_not(server):
 
     whole, streamed = asyncio.run(run())
     assert whole == streamed
+
+
+# ---- response_format: constrained decoding with speculation on --------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
+
+
+def assert_person(text: str) -> None:
+    value = json.loads(text)  # strict: control characters inside strings would fail here
+    assert set(value) == {"name", "age", "ok"}
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    assert isinstance(value["age"], int) and isinstance(value["ok"], bool)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_json_schema_output_parses_and_matches_while_speculating(client, seed):
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    messages = [{"role": "user", "content": "Give me a person."}]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, response_format=response_format, seed=seed, temperature=1.0, max_tokens=150
+    )
+    assert whole.choices[0].finish_reason == "stop"
+    assert_person(whole.choices[0].message.content)
+    assert whole.usage.model_extra["speculative"]["drafted_tokens"] > 0
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        response_format=response_format,
+        seed=seed,
+        temperature=1.0,
+        max_tokens=150,
+        stream=True,
+    )
+    assert_person("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+
+
+def test_json_object_output_is_an_object(client):
+    for seed in range(3):
+        response = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "json please"}],
+            response_format={"type": "json_object"},
+            seed=seed,
+            max_tokens=200,
+            temperature=0.7,
+        )
+        if response.choices[0].finish_reason == "stop":  # a random model may run out of tokens inside a string
+            assert isinstance(json.loads(response.choices[0].message.content), dict)
+            return
+    pytest.fail("no json_object response finished within 200 tokens")
+
+
+def test_text_format_is_the_default(client):
+    messages = [{"role": "user", "content": "plain"}]
+    a = client.chat.completions.create(
+        model="tiny", messages=messages, response_format={"type": "text"}, max_tokens=6, **GREEDY
+    )
+    b = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, **GREEDY)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "response_format,param",
+    [
+        ({"type": "yaml"}, "response_format.type"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+            "response_format.json_schema",
+        ),
+    ],
+)
+def test_bad_response_format_gets_400(server, response_format, param):
+    body = {"messages": [{"role": "user", "content": "x"}], "response_format": response_format}
+    response = httpx.post(f"{server.v1}/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
