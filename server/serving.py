@@ -35,12 +35,14 @@ from .protocol import (
     PromptTokensDetails,
     ResponseFormat,
     SpeculativeUsage,
+    ToolCallDelta,
     TopLogprob,
     Usage,
     _Request,
     new_id,
     now,
 )
+from .tools import ToolCallStream, ToolPlan, parse_tool_calls, plan_tools
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16
@@ -101,6 +103,7 @@ class Choice:
     first_of_prompt: bool  # usage counts each prompt once, however many choices it has
     echo: str = ""
     grammar: object | None = None  # a compiled grammar the output must follow
+    tools: ToolPlan | None = None
 
 
 class OpenAIServing:
@@ -187,11 +190,14 @@ class OpenAIServing:
             encoded.append(ids)
         return encoded
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
         if not self.tokenizer.chat_template:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
-        messages = [{"role": message.role, "content": message.text()} for message in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        messages = [message.template_dict() for message in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # templates raise their own errors (e.g. roles out of order)
+            raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from exc
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # ---- engine -> text -----------------------------------------------------------------------
@@ -382,16 +388,20 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs requires logprobs: true", "top_logprobs")
-        prompt_ids = self.chat_prompt(body)
+        tools = plan_tools(body)
+        prompt_ids = self.chat_prompt(body, tools.tools)
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = requested or max(1, self.engine.engine.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, logprobs)
         self._check_fits(prompt_ids, params.max_tokens, "max_completion_tokens" if requested else "messages")
         choices = self._choices([prompt_ids], params, body.n, [""])
-        grammar = self._grammar(body.response_format)
+        if tools.forced_schema is not None:
+            grammar = self._grammar(ResponseFormat(type="json_schema", json_schema={"schema": tools.forced_schema}))
+        else:
+            grammar = self._grammar(body.response_format)
         for choice in choices:
-            choice.grammar = grammar
+            choice.grammar, choice.tools = grammar, tools
         return choices
 
     def _grammar(self, response_format: ResponseFormat | None) -> object | None:
@@ -433,10 +443,12 @@ class OpenAIServing:
                 pieces.extend(delta.pieces or [])
             totals.add(delta, choice.first_of_prompt)
             logprobs = self._chat_logprobs(pieces if choice.params.logprobs is not None else None)
-            message = ChatResponseMessage(content="".join(parts))
-            choices.append(
-                ChatChoice(index=choice.index, message=message, logprobs=logprobs, finish_reason=delta.finish_reason)
-            )
+            content, calls, finish = "".join(parts), [], delta.finish_reason
+            if choice.tools is not None and choice.tools.parse:
+                content, calls = parse_tool_calls(content, choice.tools.names)
+                finish = "tool_calls" if calls else finish
+            message = ChatResponseMessage(content=content, tool_calls=[call.to_openai() for call in calls] or None)
+            choices.append(ChatChoice(index=choice.index, message=message, logprobs=logprobs, finish_reason=finish))
         return ChatCompletionResponse(
             id=new_id("chatcmpl"), created=now(), model=self.model_name, choices=choices, usage=totals.usage()
         )
@@ -456,15 +468,24 @@ class OpenAIServing:
 
         for choice in choices:
             yield chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
+            tool_stream = ToolCallStream(choice.tools.names) if choice.tools and choice.tools.parse else None
             async for delta in self._generate(choice, "chat"):
+                text, calls, finish = delta.text, [], delta.finish_reason
+                if tool_stream is not None:
+                    text = tool_stream.push(text)
+                    if finish is not None:
+                        rest, calls = tool_stream.finish()
+                        text += rest
+                        finish = "tool_calls" if calls else finish
                 if delta.final is not None:
                     totals.add(delta, choice.first_of_prompt)
                 usage = totals.usage() if delta.final is not None and choice is choices[-1] else None
+                tool_deltas = [ToolCallDelta(index=i, **call.to_openai()) for i, call in enumerate(calls)] or None
                 chunk_choice = ChatChunkChoice(
                     index=choice.index,
-                    delta=ChatDelta(content=delta.text or None),
+                    delta=ChatDelta(content=text or None, tool_calls=tool_deltas),
                     logprobs=self._chat_logprobs(delta.pieces),
-                    finish_reason=delta.finish_reason,
+                    finish_reason=finish,
                 )
                 yield chunk([chunk_choice], usage)
         if body.stream_options and body.stream_options.include_usage:

@@ -13,6 +13,7 @@ from engine.engine import SpecEngine, build_engine
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
