@@ -24,6 +24,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, capped at 4096
     seed: int | None = None
+    fault_injection: bool = False  # test hook: requests may ask to fail at a given step
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 0 or self.num_draft_tokens > 64:

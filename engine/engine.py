@@ -21,6 +21,10 @@ class PromptTooLong(ValueError):
     pass
 
 
+class InjectedFault(RuntimeError):
+    """Raised by the fault-injection test hook."""
+
+
 @dataclass(slots=True)
 class Request:
     request_id: str
@@ -28,6 +32,7 @@ class Request:
     params: SamplingParams
     num_draft_tokens: int | None = None  # None: the engine's default
     grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
+    fail_at_step: int | None = None  # test hook (EngineConfig.fault_injection): raise before this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +139,8 @@ class SpecEngine:
             if should_abort():
                 yield StepOutput([], "abort", seq.prompt_len, cached, replace(seq.stats))
                 return
+            if request.fail_at_step is not None and seq.stats.target_forwards >= request.fail_at_step:
+                raise InjectedFault(f"injected fault at step {request.fail_at_step}")
             result = self.step(seq, self._clamp(seq, num_draft_tokens))
             new, finish = result.token_ids, None
             for i, token in enumerate(new):

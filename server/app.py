@@ -27,8 +27,12 @@ from .protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     now,
 )
 from .serving import OpenAIServing
@@ -90,6 +94,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         return sse_response(await serving.chat_stream(body))
     return await serving.chat(body)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    return _serving(request).tokenize(body)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    return _serving(request).detokenize(body)
 
 
 def create_app(load: Callable[[], LoadedEngine], served_model_name: str | None = None) -> FastAPI:

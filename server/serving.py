@@ -16,7 +16,7 @@ from engine.sampling import SamplingError, SamplingParams
 from engine.stats import SpecStats
 
 from .detokenizer import IncrementalDetokenizer, TextStream
-from .errors import BadRequest, EngineUnavailable, ModelNotFound
+from .errors import BadRequest, EngineUnavailable, InternalError, ModelNotFound, OpenAIError
 from .metrics import Metrics
 from .protocol import (
     ChatChoice,
@@ -32,9 +32,13 @@ from .protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     PromptTokensDetails,
     ResponseFormat,
     SpeculativeUsage,
+    TokenizeRequest,
+    TokenizeResponse,
     ToolCallDelta,
     TopLogprob,
     Usage,
@@ -104,6 +108,7 @@ class Choice:
     echo: str = ""
     grammar: object | None = None  # a compiled grammar the output must follow
     tools: ToolPlan | None = None
+    fail_at_step: int | None = None  # the fault-injection test hook, when the server enables it
 
 
 class OpenAIServing:
@@ -165,14 +170,20 @@ class OpenAIServing:
         except PromptTooLong as exc:
             raise BadRequest(str(exc), param, code="context_length_exceeded") from exc
 
-    def _choices(self, prompts: list[list[int]], params: SamplingParams, n: int, echoes: list[str]) -> list[Choice]:
+    def _choices(
+        self, body: _Request, prompts: list[list[int]], params: SamplingParams, echoes: list[str]
+    ) -> list[Choice]:
         """Prompt i's j-th choice gets index i * n + j; a seeded request gives each choice seed + j."""
-        choices = []
+        n, choices = body.n, []
+        fail_at_step = None
+        if self.engine.engine.config.fault_injection and body.model_extra:
+            fail_at_step = body.model_extra.get("fault_at_step")
         for i, prompt_ids in enumerate(prompts):
             for j in range(n):
                 seed = None if params.seed is None else (params.seed + j) % 2**63
                 choice_params = replace(params, seed=seed)
-                choices.append(Choice(i * n + j, prompt_ids, choice_params, j == 0, echoes[i]))
+                choice = Choice(i * n + j, prompt_ids, choice_params, j == 0, echoes[i], fail_at_step=fail_at_step)
+                choices.append(choice)
         return choices
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
@@ -200,16 +211,44 @@ class OpenAIServing:
             raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from exc
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
+    # ---- /tokenize, /detokenize ---------------------------------------------------------------
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give exactly one of prompt and messages", "prompt")
+        if body.prompt is not None:
+            tokens = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        else:
+            messages = [message.template_dict() for message in body.messages]
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            )
+            tokens = self.tokenizer(text, add_special_tokens=False).input_ids
+        return TokenizeResponse(count=len(tokens), max_model_len=self.engine.engine.max_model_len, tokens=tokens)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        if any(not 0 <= token < self.vocab_size for token in body.tokens):
+            raise BadRequest(f"token ids must be in [0, {self.vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+
     # ---- engine -> text -----------------------------------------------------------------------
 
     async def _generate(self, choice: Choice, endpoint: str) -> AsyncIterator[TextDelta]:
-        """Run one choice and yield text as it becomes safe to send; the last delta carries the totals."""
+        """Run one choice, yielding one delta per token that releases text (so a run of accepted
+        drafts streams token by token); the last delta carries the finish reason and totals."""
         params = choice.params
         text = TextStream(self.tokenizer, choice.prompt_ids, params.stop)
+        with_logprobs = params.logprobs is not None
         completion_tokens = 0
         started = last = time.perf_counter()
         prompt_logprobs = None
-        outputs = self.engine.generate(Request(uuid.uuid4().hex, choice.prompt_ids, params, grammar=choice.grammar))
+        waiting: list[TokenPiece] = []  # tokens that released no text yet (part of a character, or held back)
+        request = Request(
+            uuid.uuid4().hex, choice.prompt_ids, params, grammar=choice.grammar, fail_at_step=choice.fail_at_step
+        )
+        outputs = self.engine.generate(request)
         try:
             async for output in outputs:
                 now_ = time.perf_counter()
@@ -217,28 +256,31 @@ class OpenAIServing:
                 last = now_
                 completion_tokens += len(output.token_ids)
                 prompt_logprobs = prompt_logprobs or output.prompt_logprobs
-                if params.logprobs is None:
-                    pieces, piece = None, text.push(output.token_ids)
-                else:
-                    pieces = self._pieces(text, output)
-                    piece = "".join(p.text for p in pieces)
+                finish = None
+                for piece in self._pieces(text, output):
+                    waiting.append(piece)
+                    if piece.text:
+                        yield TextDelta(piece.text, waiting if with_logprobs else None, prompt_logprobs=prompt_logprobs)
+                        waiting, prompt_logprobs = [], None
                 finish = "stop" if text.stopped else output.finish_reason
                 if finish is None:
-                    if piece:
-                        yield TextDelta(piece, pieces, prompt_logprobs=prompt_logprobs)
-                        prompt_logprobs = None
                     continue
                 tail = text.finish()
-                if pieces and tail:
-                    pieces[-1].text += tail
+                if waiting:
+                    waiting[-1].text += tail
                 self.metrics.e2e.observe(time.perf_counter() - started)
                 self.metrics.requests.labels(endpoint=endpoint, finish_reason=finish).inc()
                 self.metrics.prompt_tokens.inc(output.prompt_tokens)
                 self.metrics.cached_prompt_tokens.inc(output.cached_tokens)
-                yield TextDelta(piece + tail, pieces, finish, output, completion_tokens, prompt_logprobs)
+                pieces = waiting if with_logprobs else None
+                yield TextDelta(tail, pieces, finish, output, completion_tokens, prompt_logprobs)
                 return
         except EngineDead as exc:
             raise EngineUnavailable(str(exc)) from exc
+        except OpenAIError:
+            raise
+        except Exception as exc:  # the engine failed this request; it has reset itself and serves on
+            raise InternalError(f"the engine failed on this request: {type(exc).__name__}: {exc}") from exc
         finally:
             await outputs.aclose()  # leaving early (stop string, disconnect) aborts the request
 
@@ -257,9 +299,10 @@ class OpenAIServing:
 
     @staticmethod
     def _pieces(text: TextStream, output: StepOutput) -> list[TokenPiece]:
-        """Push tokens one at a time so each logprob is paired with exactly the text it released."""
+        """Push tokens one at a time: each token is paired with exactly the text it released."""
+        logprobs = output.logprobs or [None] * len(output.token_ids)
         pieces = []
-        for token, logprob in zip(output.token_ids, output.logprobs or [], strict=False):
+        for token, logprob in zip(output.token_ids, logprobs, strict=True):
             if text.stopped:
                 break
             pieces.append(TokenPiece(text.push([token]), logprob))
@@ -289,7 +332,7 @@ class OpenAIServing:
         for prompt_ids in prompts:
             self._check_fits(prompt_ids, params.max_tokens, "max_tokens")
         echoes = [self._echo(body, i, ids) for i, ids in enumerate(prompts)]
-        return self._choices(prompts, params, body.n, echoes)
+        return self._choices(body, prompts, params, echoes)
 
     def _echo(self, body: CompletionRequest, index: int, prompt_ids: list[int]) -> str:
         if not body.echo:
@@ -395,7 +438,7 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, logprobs)
         self._check_fits(prompt_ids, params.max_tokens, "max_completion_tokens" if requested else "messages")
-        choices = self._choices([prompt_ids], params, body.n, [""])
+        choices = self._choices(body, [prompt_ids], params, [""])
         if tools.forced_schema is not None:
             grammar = self._grammar(ResponseFormat(type="json_schema", json_schema={"schema": tools.forced_schema}))
         else:

@@ -29,6 +29,7 @@ class ServeSettings(BaseSettings):
     served_model_name: str | None = None
     seed: int | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    fault_injection: bool = False  # test hook, from SPECSERVE_FAULT_INJECTION=1 only; never for production
 
     @property
     def resolved_draft(self) -> str | None:
@@ -49,6 +50,7 @@ class ServeSettings(BaseSettings):
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            fault_injection=self.fault_injection,
         )
 
     @classmethod

@@ -30,29 +30,33 @@ class Server:
     url: str
     process: subprocess.Popen
     log: Path
+    health_seen: set[int]  # /health status codes seen while waiting for it to come up
 
     @property
     def v1(self) -> str:
         return f"{self.url}/v1"
 
 
-def start_server(args: list[str], log: Path, timeout: float = 180.0) -> Server:
+def start_server(args: list[str], log: Path, timeout: float = 180.0, env: dict | None = None) -> Server:
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args]
     handle = log.open("w")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
+    seen: set[int] = set()
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return Server(url, process, log)
+            status = httpx.get(f"{url}/health", timeout=1).status_code
+            seen.add(status)
+            if status == 200:
+                return Server(url, process, log, seen)
         except httpx.HTTPError:
             pass
-        time.sleep(0.25)
+        time.sleep(0.1)
     process.kill()
     raise RuntimeError(f"server did not come up in {timeout}s:\n{log.read_text()}")
 
@@ -102,6 +106,7 @@ def server(tiny_model_dirs, tmp_path_factory) -> Iterator[Server]:
             "0",
         ],
         log,
+        env={"SPECSERVE_FAULT_INJECTION": "1"},  # lets tests fail one request inside the engine
     )
     yield running
     stop_server(running)

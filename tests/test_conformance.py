@@ -342,3 +342,64 @@ def test_bad_response_format_gets_400(server, response_format, param):
     response = httpx.post(f"{server.v1}/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+# ---- streaming granularity, mid-stream errors, extra endpoints ------------------------------------
+
+
+def test_accepted_runs_stream_one_token_per_chunk(server):
+    body = {
+        "prompt": "one token per chunk",
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = stream_body(server, "/completions", body)
+    usage = chunks[-1]["usage"]["speculative"]
+    assert usage["accepted_tokens"] > 0  # several tokens per target forward ...
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert len(texts) > usage["target_forwards"]  # ... yet more chunks than forwards
+    for chunk in chunks[:-1]:
+        logprobs = chunk["choices"][0]["logprobs"]
+        released = [token for token in logprobs["tokens"] if token]
+        assert len(released) <= 1  # each chunk carries the text of one token (plus tokens that released none)
+
+
+def test_error_after_the_stream_started_is_an_event_then_done(server, client):
+    with httpx.stream(
+        "POST",
+        f"{server.v1}/completions",
+        json={
+            "prompt": "fail soon",
+            "max_tokens": 40,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+            "fault_at_step": 3,
+        },
+    ) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "internal_error" and "injected fault" in error["message"]
+    assert any(json.loads(event).get("choices") for event in events[:-2])  # text went out before the error
+    failed = httpx.post(f"{server.v1}/completions", json={"prompt": "fail", "max_tokens": 9, "fault_at_step": 1})
+    assert failed.status_code == 500 and set(failed.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert client.completions.create(model="tiny", prompt="fine again", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_tokenize_and_detokenize(server):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "héllo"}).json()
+    assert tokens["count"] == 6 and tokens["max_model_len"] == 256
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    completion = httpx.post(
+        f"{server.v1}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    )
+    assert chat["count"] == completion.json()["usage"]["prompt_tokens"]
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

@@ -17,6 +17,10 @@ def default_server(tmp_path_factory):
     stop_server(server)
 
 
+def test_health_is_503_while_the_model_loads(default_server):
+    assert 503 in default_server.health_seen and 200 in default_server.health_seen
+
+
 def test_default_model_answers_a_chat_request_sensibly_while_speculating(default_server):
     client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=120)
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
@@ -38,3 +42,9 @@ def test_default_model_streams_the_same_answer(default_server):
     whole = client.chat.completions.create(model="", messages=messages, max_tokens=30, temperature=0)
     stream = client.chat.completions.create(model="", messages=messages, max_tokens=30, temperature=0, stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == whole.choices[0].message.content
+
+
+def test_fault_injection_is_off_unless_enabled(default_server):
+    client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=120)
+    response = client.completions.create(model="", prompt="Hello", max_tokens=3, extra_body={"fault_at_step": 0})
+    assert response.usage.completion_tokens == 3
