@@ -24,6 +24,12 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, capped at 4096
     seed: int | None = None
+    adaptive_k: bool = False  # choose k per step (up to num_draft_tokens) from measured costs
+    min_draft_confidence: float = 0.0  # model drafts stop when their top probability falls below this
+    ngram_sizes: tuple[int, int] = (1, 4)  # n-gram lookup tries the longest n first
+    self_layers: tuple[int, ...] | None = None  # layers the self drafter runs; None: calibrated or measured best
+    medusa_heads: str | None = None  # a Medusa head checkpoint folder; None: the one shipped for the target
+    stages: tuple[str, ...] = ("ngram", "model")  # the staged drafter's chain, cheapest first
     fault_injection: bool = False  # test hook: requests may ask to fail at a given step
 
     def __post_init__(self) -> None:
@@ -35,6 +41,11 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if not 0.0 <= self.min_draft_confidence < 1.0:
+            raise ConfigError(f"min_draft_confidence must be in [0, 1), got {self.min_draft_confidence}")
+        low, high = self.ngram_sizes
+        if not 1 <= low <= high:
+            raise ConfigError(f"ngram sizes must satisfy 1 <= min <= max, got {self.ngram_sizes}")
         if self.draft is not None and self.draft.lower() == "none":
             self.draft = None
 

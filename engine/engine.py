@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .adaptive import AdaptiveK
 from .config import EngineConfig
 from .drafters import Drafter, DraftResources, Proposal, build
 from .grammar import TokenConstraint
@@ -31,6 +32,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     num_draft_tokens: int | None = None  # None: the engine's default
+    drafter: str | None = None  # None: the engine's default drafter
     grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
     fail_at_step: int | None = None  # test hook (EngineConfig.fault_injection): raise before this step
 
@@ -76,6 +78,8 @@ class _Sequence:
     token_ids: list[int]  # prompt plus committed output
     prompt_len: int
     sampler: RequestSampler
+    drafter: Drafter | None
+    policy: AdaptiveK | None  # None: draft a fixed number of tokens
     stats: SpecStats = field(default_factory=SpecStats)
 
     @property
@@ -100,10 +104,19 @@ class SpecEngine:
         self._seeds.manual_seed(config.seed) if config.seed is not None else self._seeds.seed()
         # Sampling runs over the ids both models share; padded logit rows past the tokenizer are never sampled.
         self.vocab_size = target.vocab_size if draft is None else min(target.vocab_size, draft.vocab_size)
-        resources = DraftResources(config=config, target=target, draft=draft)
-        self.drafter: Drafter | None = None
-        if draft is not None or config.drafter != "model":
-            self.drafter = build(config.drafter, resources)
+        self._resources = DraftResources(config=config, target=target, draft=draft)
+        self._drafters: dict[str, Drafter] = {}
+        self._policies: dict[str, AdaptiveK] = {}  # costs and acceptance, learned across requests
+        # With no draft model, the default "model" drafter means the target alone.
+        self.default_drafter = config.drafter if (draft is not None or config.drafter != "model") else None
+        if self.default_drafter is not None:
+            self.drafter(self.default_drafter)  # build it now, so a bad configuration fails at start-up
+
+    def drafter(self, name: str) -> Drafter:
+        """The drafter registered as ``name``, built on first use (drafters share the loaded models)."""
+        if name not in self._drafters:
+            self._drafters[name] = build(name, self._resources)
+        return self._drafters[name]
 
     def reset(self) -> None:
         """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""
@@ -134,6 +147,8 @@ class SpecEngine:
         num_draft_tokens = (
             self.config.num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
         )
+        if seq.policy is not None:
+            seq.policy.max_k = num_draft_tokens
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         while True:
             if should_abort():
@@ -141,7 +156,8 @@ class SpecEngine:
                 return
             if request.fail_at_step is not None and seq.stats.target_forwards >= request.fail_at_step:
                 raise InjectedFault(f"injected fault at step {request.fail_at_step}")
-            result = self.step(seq, self._clamp(seq, num_draft_tokens))
+            limit = self._limit(seq, num_draft_tokens)
+            result = self.step(seq, seq.policy.choose(limit) if seq.policy is not None else limit)
             new, finish = result.token_ids, None
             for i, token in enumerate(new):
                 if token in stop_ids:
@@ -164,8 +180,13 @@ class SpecEngine:
     def _begin(self, request: Request) -> _Sequence:
         prompt = list(request.prompt_ids)
         self.target.cache.reuse_prefix(prompt)
-        if self.drafter is not None:
-            self.drafter.begin(prompt)
+        name = request.drafter or self.default_drafter
+        drafter = self.drafter(name) if name is not None else None
+        if drafter is not None:
+            drafter.begin(prompt)
+        policy = None
+        if drafter is not None and self.config.adaptive_k:
+            policy = self._policies.setdefault(name, AdaptiveK(self.config.num_draft_tokens))
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
@@ -173,7 +194,7 @@ class SpecEngine:
         if request.grammar is not None:
             constraint = TokenConstraint(request.grammar, self.vocab_size)
         sampler = RequestSampler(request.params, self.vocab_size, self.target.device, prompt, seed, constraint)
-        return _Sequence(token_ids=prompt, prompt_len=len(prompt), sampler=sampler)
+        return _Sequence(prompt, len(prompt), sampler, drafter, policy, SpecStats(drafter=name))
 
     def _logprobs(self, logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
         """logits [N, V] at the positions that produced ``token_ids`` -> one TokenLogprob each."""
@@ -194,9 +215,9 @@ class SpecEngine:
         logits = self.target.extend(prompt[:-1], num_logits=len(prompt) - 1)  # [P-1, V]
         return [None, *self._logprobs(logits, prompt[1:], seq.sampler.params.prompt_logprobs or 0)]
 
-    def _clamp(self, seq: _Sequence, num_draft_tokens: int) -> int:
+    def _limit(self, seq: _Sequence, num_draft_tokens: int) -> int:
         """Draft no more than the request can still emit (minus the bonus token) or the cache can hold."""
-        if self.drafter is None:
+        if seq.drafter is None:
             return 0
         remaining = seq.sampler.params.max_tokens - seq.num_generated
         return max(0, min(num_draft_tokens, remaining - 1, self.max_model_len - len(seq.token_ids)))
@@ -207,8 +228,8 @@ class SpecEngine:
         started = time.perf_counter()
         # 1. The draft proposes k tokens with the distributions q it drew them from.
         proposal = (
-            self.drafter.propose(tokens, num_draft_tokens, sampler)
-            if num_draft_tokens > 0 and self.drafter is not None
+            seq.drafter.propose(tokens, num_draft_tokens, sampler)
+            if num_draft_tokens > 0 and seq.drafter is not None
             else Proposal.empty(self.target.device)
         )
         k = proposal.token_ids.shape[0]
@@ -222,11 +243,13 @@ class SpecEngine:
         # 4. Both caches roll back to the accepted length.
         num_committed = len(tokens) + verdict.num_accepted
         self.target.cache.rollback(num_committed)
-        if self.drafter is not None:
-            self.drafter.accept(num_committed)
+        if seq.drafter is not None:
+            seq.drafter.accept(num_committed)
         n = verdict.num_accepted
-        seq.stats.record(k, n)
         record = StepRecord(k, n, drafted - started, time.perf_counter() - drafted)
+        seq.stats.record(k, n, record.draft_seconds, record.verify_seconds)
+        if seq.policy is not None:
+            seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds)
         return _StepResult(proposal.token_ids[:n].tolist() + [verdict.next_token], logits[: n + 1], record)
 
 

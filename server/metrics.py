@@ -36,34 +36,38 @@ class Metrics:
         )
         self.queue_depth = Gauge("specserve_queue_depth", "Requests waiting for the engine", registry=r)
         self.queue_depth.set_function(queue_depth)
-        self.num_drafts = Counter("specserve_spec_decode_num_drafts", "Speculative steps that drafted", registry=r)
-        self.num_draft_tokens = Counter("specserve_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        by = ["drafter"]
+        self.num_drafts = Counter("specserve_spec_decode_num_drafts", "Steps that drafted", by, registry=r)
+        self.num_draft_tokens = Counter(
+            "specserve_spec_decode_num_draft_tokens", "Draft tokens proposed", by, registry=r
+        )
         self.num_accepted_tokens = Counter(
-            "specserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+            "specserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", by, registry=r
         )
         self.accepted_per_pos = Counter(
             "specserve_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by draft position",
-            ["position"],
+            ["drafter", "position"],
             registry=r,
         )
         self.draft_time = Histogram(
-            "specserve_spec_decode_draft_seconds", "Drafting time per step", buckets=LATENCY_BUCKETS, registry=r
+            "specserve_spec_decode_draft_seconds", "Drafting time per step", by, buckets=LATENCY_BUCKETS, registry=r
         )
         self.verify_time = Histogram(
-            "specserve_spec_decode_verify_seconds", "Verify time per step", buckets=LATENCY_BUCKETS, registry=r
+            "specserve_spec_decode_verify_seconds", "Verify time per step", by, buckets=LATENCY_BUCKETS, registry=r
         )
 
-    def observe_step(self, record: StepRecord) -> None:
-        self.verify_time.observe(record.verify_seconds)
+    def observe_step(self, drafter: str | None, record: StepRecord) -> None:
+        drafter = drafter or "none"
+        self.verify_time.labels(drafter).observe(record.verify_seconds)
         if record.num_drafted == 0:
             return
-        self.num_drafts.inc()
-        self.num_draft_tokens.inc(record.num_drafted)
-        self.num_accepted_tokens.inc(record.num_accepted)
-        self.draft_time.observe(record.draft_seconds)
+        self.num_drafts.labels(drafter).inc()
+        self.num_draft_tokens.labels(drafter).inc(record.num_drafted)
+        self.num_accepted_tokens.labels(drafter).inc(record.num_accepted)
+        self.draft_time.labels(drafter).observe(record.draft_seconds)
         for position in range(record.num_accepted):
-            self.accepted_per_pos.labels(position=str(position)).inc()
+            self.accepted_per_pos.labels(drafter=drafter, position=str(position)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -165,11 +165,16 @@ class PromptTokensDetails(BaseModel):
 
 
 class SpeculativeUsage(BaseModel):
+    drafter: str | None  # None: the target alone
     drafted_tokens: int
     accepted_tokens: int
     acceptance_rate: float
     target_forwards: int
     mean_tokens_per_forward: float
+    mean_num_draft_tokens: float  # k per step, as chosen (fixed, adaptive, or cut short by the drafter)
+    accepted_per_position: list[int]
+    draft_seconds: float
+    verify_seconds: float
 
 
 class Usage(BaseModel):

@@ -84,8 +84,7 @@ class UsageTotals:
             self.prompt_tokens += output.prompt_tokens
             self.cached_tokens += output.cached_tokens
         self.completion_tokens += delta.completion_tokens
-        for name in ("drafted_tokens", "accepted_tokens", "target_forwards", "emitted_tokens"):
-            setattr(self.stats, name, getattr(self.stats, name) + getattr(output.stats, name))
+        self.stats.add(output.stats)
 
     def usage(self) -> Usage:
         return Usage(
@@ -286,7 +285,7 @@ class OpenAIServing:
 
     def _observe(self, output: StepOutput, gap: float, first: bool) -> None:
         if output.step is not None:
-            self.metrics.observe_step(output.step)
+            self.metrics.observe_step(output.stats.drafter, output.step)
         count = len(output.token_ids)
         if not count:
             return

@@ -231,7 +231,7 @@ def test_metrics_expose_requests_tokens_latency_queue_and_speculation(server, cl
         "specserve_spec_decode_num_drafts_total",
         "specserve_spec_decode_num_draft_tokens_total",
         "specserve_spec_decode_num_accepted_tokens_total",
-        'specserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+        'specserve_spec_decode_num_accepted_tokens_per_pos_total{drafter="model",position="0"}',
         "specserve_spec_decode_draft_seconds_sum",
         "specserve_spec_decode_verify_seconds_sum",
     ):
@@ -240,8 +240,8 @@ def test_metrics_expose_requests_tokens_latency_queue_and_speculation(server, cl
         line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
     }
     assert (
-        values["specserve_spec_decode_num_accepted_tokens_total"]
-        <= values["specserve_spec_decode_num_draft_tokens_total"]
+        values['specserve_spec_decode_num_accepted_tokens_total{drafter="model"}']
+        <= values['specserve_spec_decode_num_draft_tokens_total{drafter="model"}']
     )
     assert values["specserve_generation_tokens_total"] >= 10
 
