@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import ConfigError
 from server.settings import DEFAULT_DRAFT, ServeSettings
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.tiny import byte_tokenizer, save_tiny
 
 
@@ -50,11 +50,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_draft_with_a_different_vocabulary_is_refused(tmp_path):
     target = save_tiny(tmp_path / "target", 0, byte_tokenizer())
     draft = save_tiny(tmp_path / "draft", 1, byte_tokenizer(extra_tokens=["<extra>"]))
-    result = run_cli("--target", str(target), "--draft", str(draft), "--device", "cpu", "--port", "1")
+    result = run_cli("--target", str(target), "--draft", str(draft), "--device", "cpu", "--port", str(free_port()))
     assert result.returncode == 2
     assert "vocabulary differs" in result.stderr
 
 
 def test_missing_model_folder_is_a_clear_error():
-    result = run_cli("--target", "./no/such/folder", "--port", "1")
+    result = run_cli("--target", "./no/such/folder", "--port", str(free_port()))
     assert result.returncode == 2 and "model folder not found" in result.stderr
