@@ -32,7 +32,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     num_draft_tokens: int | None = None  # None: the engine's default
-    drafter: str | None = None  # None: the engine's default drafter
+    drafter: str | None = None  # None: the engine's default drafter; "none": the target alone
     grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
     fail_at_step: int | None = None  # test hook (EngineConfig.fault_injection): raise before this step
 
@@ -181,6 +181,8 @@ class SpecEngine:
         prompt = list(request.prompt_ids)
         self.target.cache.reuse_prefix(prompt)
         name = request.drafter or self.default_drafter
+        if name == "none":  # the request asks for the target alone
+            name = None
         drafter = self.drafter(name) if name is not None else None
         if drafter is not None:
             drafter.begin(prompt)

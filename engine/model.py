@@ -7,6 +7,8 @@ Keys and values go into a preallocated ``KVCache``; attention reads only the liv
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +49,8 @@ class CausalLM:
         self.scaling = attn.scaling
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_len = max_len
+        self.last_hidden: torch.Tensor | None = None  # [N, E] normalised final hidden states of the last extend
+        self._last_hidden_end = 0  # the position after the last row of last_hidden
         self.cache = KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
         # Rotary tables for every position, computed once by the checkpoint's own rotary module.
         positions = torch.arange(max_len, device=self.device)[None]  # [1, S]
@@ -61,14 +65,34 @@ class CausalLM:
     def extend(self, token_ids: list[int], num_logits: int = 1) -> torch.Tensor:
         """Append ``token_ids`` to the cache and return logits [num_logits, V] for the last positions."""
         start = self.cache.length
-        if start + len(token_ids) > self.max_len:
-            raise ValueError(f"sequence of {start + len(token_ids)} tokens exceeds the cache of {self.max_len}")
-        input_ids = torch.tensor(token_ids, device=self.device)  # [T]
-        hidden = self._body(input_ids, start)  # [T, E]
+        hidden = self._body(self._input(token_ids, start), start, range(len(self.layers)))  # [T, E]
         self.cache.token_ids.extend(token_ids)
+        self.last_hidden = self.norm(hidden[-num_logits:])  # [N, E] normalised, for drafters reading features
+        self._last_hidden_end = start + len(token_ids)
+        return self.lm_head(self.last_hidden)  # [N, V]
+
+    def hidden_at(self, position: int) -> torch.Tensor | None:
+        """The normalised final hidden state [E] at ``position`` from the last extend, if it computed one."""
+        if self.last_hidden is None:
+            return None
+        row = position - (self._last_hidden_end - self.last_hidden.shape[0])
+        return self.last_hidden[row].clone() if 0 <= row < self.last_hidden.shape[0] else None
+
+    @torch.inference_mode()
+    def draft_through(
+        self, token_ids: list[int], start: int, layers: Sequence[int], num_logits: int = 1
+    ) -> torch.Tensor:
+        """Run only ``layers`` over tokens at positions [start, start+T), writing those layers' KV
+        there without advancing the cache; the next ``extend`` over these positions overwrites it."""
+        hidden = self._body(self._input(token_ids, start), start, layers)  # [T, E]
         return self.lm_head(self.norm(hidden[-num_logits:]))  # [N, V]
 
-    def _body(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+    def _input(self, token_ids: list[int], start: int) -> torch.Tensor:
+        if start + len(token_ids) > self.max_len:
+            raise ValueError(f"sequence of {start + len(token_ids)} tokens exceeds the cache of {self.max_len}")
+        return torch.tensor(token_ids, device=self.device)  # [T]
+
+    def _body(self, input_ids: torch.Tensor, start: int, layers: Sequence[int]) -> torch.Tensor:
         num_new = input_ids.shape[0]
         end = start + num_new
         cos, sin = self.cos[start:end], self.sin[start:end]  # [T, D]
@@ -77,7 +101,8 @@ class CausalLM:
             keys_pos = torch.arange(end, device=self.device)  # [S']
             mask = keys_pos[None, :] <= (start + torch.arange(num_new, device=self.device))[:, None]  # [T, S']
         hidden = self.embed(input_ids)[None]  # [1, T, E]
-        for index, layer in enumerate(self.layers):
+        for index in layers:
+            layer = self.layers[index]
             hidden = hidden + self._attention(
                 layer.self_attn, layer.input_layernorm(hidden), index, start, cos, sin, mask
             )

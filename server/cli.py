@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -30,8 +31,74 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, help="context length; KV caches are sized to it once")
     serve.add_argument("--served-model-name", help="model id clients use (default: the target ref)")
     serve.add_argument("--seed", type=int, help="seed for requests that bring none")
+    serve.add_argument(
+        "--adaptive-k", action="store_true", help="choose k per step (up to --num-draft-tokens) from measured costs"
+    )
+    serve.add_argument("--min-draft-confidence", type=float, help="model drafts stop below this top probability")
+    serve.add_argument("--self-layers", help="layers the self drafter runs, e.g. 0,1,2,20,21 (default: calibrated)")
+    serve.add_argument(
+        "--medusa-heads", help="Medusa head checkpoint folder (default: the heads shipped for the target)"
+    )
+    serve.add_argument("--stages", help="the staged drafter's chain, cheapest first (default ngram,model)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    medusa = commands.add_parser("train-medusa", help="train Medusa heads for a target on CPU")
+    medusa.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
+    medusa.add_argument("--out", default=None, help="checkpoint folder (default: the shipped heads' folder)")
+    medusa.add_argument("--heads", type=int, default=3)
+    medusa.add_argument("--minutes", type=float, default=3.0, help="training time budget")
+    medusa.add_argument("--max-chars", type=int, default=120_000, help="standard-library text to use")
+    medusa.add_argument("--chat-samples", type=int, default=10, help="greedy chat answers to self-distil from")
+    calib = commands.add_parser("calibrate-self", help="choose the layers the self drafter keeps")
+    calib.add_argument("--target", default=None)
+    calib.add_argument("--keep", type=int, default=None, help="layers to keep (default: half)")
+    calib.add_argument("--max-chars", type=int, default=20_000)
+    calib.add_argument("--out", default=None, help="where to write (default: engine/calibration/<model>.json)")
     return parser
+
+
+def _offline_engine(target: str | None):
+    """The target alone on CPU, for the offline preparation commands."""
+    from engine.config import EngineConfig
+    from engine.factory import load_engine
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return load_engine(EngineConfig(target=target, device="cpu", max_model_len=2048))
+
+
+def train_medusa_command(args: dict) -> None:
+    from pathlib import Path
+
+    from engine.drafters.medusa import shipped_heads
+    from engine.training import train_medusa
+
+    loaded = _offline_engine(args["target"])
+    out = Path(args["out"]) if args["out"] else shipped_heads(loaded.model_name)
+    report = train_medusa(
+        loaded.engine,
+        loaded.tokenizer,
+        loaded.model_name,
+        out,
+        args["heads"],
+        args["minutes"],
+        args["max_chars"],
+        args["chat_samples"],
+    )
+    print(json.dumps({"out": str(out), **report}, indent=2))
+
+
+def calibrate_self_command(args: dict) -> None:
+    from pathlib import Path
+
+    from engine.training import calibrate_self
+
+    loaded = _offline_engine(args["target"])
+    keep = args["keep"] or len(loaded.engine.target.layers) // 2
+    out = Path(args["out"]) if args["out"] else None
+    print(
+        json.dumps(
+            calibrate_self(loaded.engine, loaded.tokenizer, loaded.model_name, keep, args["max_chars"], out), indent=2
+        )
+    )
 
 
 def serve(settings: ServeSettings) -> None:
@@ -58,10 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     args = vars(_parser().parse_args(argv))
     command, config_file = args.pop("command"), args.pop("config", None)
     try:
+        if command != "serve":
+            logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            {"train-medusa": train_medusa_command, "calibrate-self": calibrate_self_command}[command](args)
+            return
         settings = ServeSettings.load(config_file, args)
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if command == "serve":
-            serve(settings)
+        serve(settings)
     except ConfigError as exc:
         print(f"specserve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

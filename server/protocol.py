@@ -16,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
+class SpeculativeOptions(BaseModel):
+    """specserve's own extra body field: choose the drafter and k for one request."""
+
+    model_config = ConfigDict(extra="forbid")
+    drafter: str | None = None
+    num_draft_tokens: int | None = Field(default=None, ge=0, le=64)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -36,6 +44,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None
+    speculative: SpeculativeOptions | None = None
 
 
 class StreamOptions(BaseModel):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from transformers import PreTrainedTokenizerBase
 
 from engine.async_engine import AsyncEngine, EngineDead
+from engine.config import ConfigError
 from engine.engine import PromptTooLong, Request, StepOutput, TokenLogprob
 from engine.grammar import GrammarCompiler, GrammarError
 from engine.sampling import SamplingError, SamplingParams
@@ -108,6 +109,8 @@ class Choice:
     grammar: object | None = None  # a compiled grammar the output must follow
     tools: ToolPlan | None = None
     fail_at_step: int | None = None  # the fault-injection test hook, when the server enables it
+    drafter: str | None = None  # None: the server's default
+    num_draft_tokens: int | None = None
 
 
 class OpenAIServing:
@@ -163,6 +166,19 @@ class OpenAIServing:
         except SamplingError as exc:
             raise BadRequest(str(exc), exc.param) from exc
 
+    def _speculation(self, body: _Request) -> tuple[str | None, int | None]:
+        """The request's own drafter and k (extra body field ``speculative``), checked up front."""
+        options = body.speculative
+        if options is None:
+            return None, None
+        if options.drafter is not None and options.drafter != "none":
+            try:
+                self.engine.engine.drafter(options.drafter)
+            except ConfigError as exc:
+                raise BadRequest(str(exc), "speculative.drafter") from exc
+        drafter = "none" if options.drafter == "none" else options.drafter
+        return drafter, options.num_draft_tokens
+
     def _check_fits(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
         try:
             self.engine.engine.check_fits(len(prompt_ids), max_tokens)
@@ -174,6 +190,7 @@ class OpenAIServing:
     ) -> list[Choice]:
         """Prompt i's j-th choice gets index i * n + j; a seeded request gives each choice seed + j."""
         n, choices = body.n, []
+        drafter, num_draft_tokens = self._speculation(body)
         fail_at_step = None
         if self.engine.engine.config.fault_injection and body.model_extra:
             fail_at_step = body.model_extra.get("fault_at_step")
@@ -182,6 +199,7 @@ class OpenAIServing:
                 seed = None if params.seed is None else (params.seed + j) % 2**63
                 choice_params = replace(params, seed=seed)
                 choice = Choice(i * n + j, prompt_ids, choice_params, j == 0, echoes[i], fail_at_step=fail_at_step)
+                choice.drafter, choice.num_draft_tokens = drafter, num_draft_tokens
                 choices.append(choice)
         return choices
 
@@ -245,7 +263,13 @@ class OpenAIServing:
         prompt_logprobs = None
         waiting: list[TokenPiece] = []  # tokens that released no text yet (part of a character, or held back)
         request = Request(
-            uuid.uuid4().hex, choice.prompt_ids, params, grammar=choice.grammar, fail_at_step=choice.fail_at_step
+            uuid.uuid4().hex,
+            choice.prompt_ids,
+            params,
+            num_draft_tokens=choice.num_draft_tokens,
+            drafter=choice.drafter,
+            grammar=choice.grammar,
+            fail_at_step=choice.fail_at_step,
         )
         outputs = self.engine.generate(request)
         try:

@@ -14,6 +14,15 @@ from engine.config import ConfigError, EngineConfig
 DEFAULT_DRAFT = "copy:bfloat16"  # until better drafters land: a lower-precision copy of the target
 
 
+def _int_list(text: str | None, name: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
 class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_", extra="forbid")
 
@@ -28,16 +37,22 @@ class ServeSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     served_model_name: str | None = None
     seed: int | None = None
+    adaptive_k: bool = False
+    min_draft_confidence: float = Field(default=0.0, ge=0.0, lt=1.0)
+    self_layers: str | None = Field(default=None, description="comma-separated layer indices for --drafter self")
+    medusa_heads: str | None = None
+    stages: str = "ngram,model"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     fault_injection: bool = False  # test hook, from SPECSERVE_FAULT_INJECTION=1 only; never for production
 
     @property
     def resolved_draft(self) -> str | None:
-        """'auto' means the default draft for the embedded model and no draft for any other target."""
+        """'auto': the default draft for the embedded model when the drafter uses a model, else none."""
         if self.draft is None or self.draft.lower() == "none":
             return None
         if self.draft == "auto":
-            return DEFAULT_DRAFT if self.target is None else None
+            uses_model = self.drafter == "model" or (self.drafter == "staged" and "model" in self.stages.split(","))
+            return DEFAULT_DRAFT if self.target is None and uses_model else None
         return self.draft
 
     def engine_config(self) -> EngineConfig:
@@ -50,6 +65,11 @@ class ServeSettings(BaseSettings):
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            adaptive_k=self.adaptive_k,
+            min_draft_confidence=self.min_draft_confidence,
+            self_layers=_int_list(self.self_layers, "self_layers"),
+            medusa_heads=self.medusa_heads,
+            stages=tuple(name.strip() for name in self.stages.split(",") if name.strip()),
             fault_injection=self.fault_injection,
         )
 

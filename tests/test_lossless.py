@@ -12,19 +12,20 @@ from scipy.stats import chisquare
 
 from engine.engine import Request
 from engine.sampling import RequestSampler, SamplingParams
-from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
+from engine.stats import SpecStats
+from tests.tiny import DRAFTER_SETUPS, perturbed_copy, setup_engine, tiny_engine, tiny_llama
 
 VOCAB = 8
-PROMPT = [1, 5, 2, 7]
+PROMPT = [1, 5, 2, 7, 1, 5]  # repeats, so n-gram lookup has something to propose
 SAMPLES = 3000
 ALPHA = 1e-3  # a correct sampler fails this by chance once in a thousand runs; the seeds are fixed
 
 
 @pytest.fixture(scope="module")
 def models():
-    # A large init spread gives peaked, clearly different distributions over the small vocabulary.
-    target = tiny_llama(seed=0, vocab_size=VOCAB, init=0.6)
-    draft = tiny_llama(seed=1, vocab_size=VOCAB, init=0.6)
+    # Spread-out but clearly different distributions (TV about 0.4): a sampler bug shifts the output a lot.
+    target = tiny_llama(seed=0, vocab_size=VOCAB, init=0.12)
+    draft = tiny_llama(seed=1, vocab_size=VOCAB, init=0.12)
     return target, draft
 
 
@@ -43,14 +44,16 @@ def exact_distribution(model, params: SamplingParams, length: int) -> dict[tuple
     return result
 
 
-def sample_continuations(engine, params: SamplingParams, count: int) -> Counter:
+def sample_continuations(engine, params: SamplingParams, count: int) -> tuple[Counter, SpecStats]:
     counts: Counter = Counter()
+    total = SpecStats()
     for i in range(count):
         tokens = []
         for output in engine.generate(Request(str(i), PROMPT, params)):
             tokens += output.token_ids
         counts[tuple(tokens)] += 1
-    return counts
+        total.add(output.stats)
+    return counts, total
 
 
 def chi_square_pvalue(counts: Counter, expected: dict[tuple[int, ...], float]) -> float:
@@ -80,15 +83,23 @@ CASES = [
     pytest.param(3, 2, dict(temperature=1.0, top_k=5, top_p=0.9), id="3tok-topk-topp"),
     pytest.param(3, 2, dict(temperature=1.0, presence_penalty=1.5, repetition_penalty=1.3), id="3tok-penalties"),
 ]
+# The model drafter runs every case; the others run the two that cover chains and history.
+MATRIX = [
+    pytest.param(setup, *case.values, id=f"{setup}-{case.id}")
+    for setup in DRAFTER_SETUPS
+    for case in CASES
+    if setup == "model" or case.id in ("2tok-topk", "3tok-penalties")
+]
 
 
-@pytest.mark.parametrize("length,num_draft_tokens,sampling", CASES)
-def test_speculative_samples_match_target_distribution(models, length, num_draft_tokens, sampling):
+@pytest.mark.parametrize("setup,length,num_draft_tokens,sampling", MATRIX)
+def test_speculative_samples_match_target_distribution(models, setup, length, num_draft_tokens, sampling):
     target, draft = models
-    engine = tiny_engine(target, draft, num_draft_tokens=num_draft_tokens)
+    engine = setup_engine(setup, target, draft, num_draft_tokens=num_draft_tokens)
     engine._seeds.manual_seed(1234)
     params = SamplingParams(max_tokens=length, **sampling)
-    counts = sample_continuations(engine, params, SAMPLES)
+    counts, stats = sample_continuations(engine, params, SAMPLES)
+    assert stats.drafted_tokens > 0  # the drafter really proposed, so the sampler was exercised
     pvalue = chi_square_pvalue(counts, exact_distribution(target, params, length))
     assert pvalue > ALPHA, f"speculative samples differ from the target's distribution (p={pvalue:.2e})"
 
@@ -103,7 +114,7 @@ def test_chi_square_rejects_sampling_from_the_draft(models):
     assert total_variation > 0.2  # the models really differ
     draft_only = tiny_engine(draft, None)
     draft_only._seeds.manual_seed(99)
-    counts = sample_continuations(draft_only, params, SAMPLES)
+    counts, _ = sample_continuations(draft_only, params, SAMPLES)
     assert chi_square_pvalue(counts, target_dist) < ALPHA
 
 
@@ -135,22 +146,23 @@ def run(engine, prompt, params) -> list[int]:
 
 
 @pytest.mark.parametrize("num_draft_tokens", [1, 2, 4, 7])
-def test_greedy_speculative_equals_target_greedy(num_draft_tokens):
+@pytest.mark.parametrize("setup", list(DRAFTER_SETUPS))
+def test_greedy_speculative_equals_target_greedy(setup, num_draft_tokens):
     target = tiny_llama(seed=3, vocab_size=96, init=0.2)
     draft = perturbed_copy(target, noise=0.05, seed=num_draft_tokens)  # agrees often, not always
-    engine = tiny_engine(target, draft, num_draft_tokens=num_draft_tokens)
+    engine = setup_engine(setup, target, draft, num_draft_tokens=num_draft_tokens)
     generator = torch.Generator().manual_seed(num_draft_tokens)
-    accepted = drafted = 0
-    for _ in range(12):
-        prompt = torch.randint(
-            0, 96, (int(torch.randint(1, 20, (1,), generator=generator)),), generator=generator
+    total = SpecStats()
+    for _ in range(8):
+        chunk = torch.randint(
+            0, 96, (int(torch.randint(2, 8, (1,), generator=generator)),), generator=generator
         ).tolist()
+        prompt = chunk + [5] + chunk  # a repeat gives n-gram lookup material
         expected = greedy_reference(target, prompt, 24)
         outputs = list(engine.generate(Request("g", prompt, SamplingParams(max_tokens=24, temperature=0.0))))
         assert [t for o in outputs for t in o.token_ids] == expected
-        accepted += outputs[-1].stats.accepted_tokens
-        drafted += outputs[-1].stats.drafted_tokens
-    assert 0 < accepted < drafted
+        total.add(outputs[-1].stats)
+    assert total.drafted_tokens > 0 and total.accepted_tokens > 0
 
 
 def test_greedy_with_a_draft_that_agrees_accepts_everything():

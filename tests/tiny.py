@@ -68,7 +68,9 @@ def tiny_engine(
     num_draft_tokens: int = 4,
     eos: set[int] | None = None,
     max_model_len: int = 256,
+    **options,
 ) -> SpecEngine:
+    """An engine on in-process models; ``options`` are further EngineConfig fields (drafter, ...)."""
     config = EngineConfig(
         target="tiny",
         draft="tiny-draft" if draft is not None else None,
@@ -76,8 +78,25 @@ def tiny_engine(
         device="cpu",
         dtype="float32",
         max_model_len=max_model_len,
+        **options,
     )
     return build_engine(config, target, draft, eos or set())
+
+
+# Every drafting setup the exactness suite runs: name -> (needs a draft model, EngineConfig options).
+DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
+    "model": (True, {"drafter": "model"}),
+    "model-adaptive-k": (True, {"drafter": "model", "adaptive_k": True}),
+    "ngram": (False, {"drafter": "ngram"}),
+    "self": (False, {"drafter": "self", "self_layers": (0,)}),
+    "staged-ngram-model": (True, {"drafter": "staged", "stages": ("ngram", "model")}),
+    "staged-self-model": (True, {"drafter": "staged", "stages": ("self", "model"), "self_layers": (1,)}),
+}
+
+
+def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, **kwargs) -> SpecEngine:
+    needs_draft, options = DRAFTER_SETUPS[setup]
+    return tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
 
 
 def save_tiny(folder: Path, seed: int, tokenizer: PreTrainedTokenizerFast, **kwargs) -> Path:

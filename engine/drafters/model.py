@@ -7,6 +7,7 @@ import torch
 from ..config import ConfigError
 from ..model import CausalLM
 from ..sampling import RequestSampler
+from ..spec import rejection_sample
 from .base import DraftResources, Proposal, register
 
 
@@ -33,6 +34,34 @@ class ModelDrafter:
                 logits = self.draft.extend([token])
         device = logits.device
         return Proposal(torch.tensor(drafted, dtype=torch.long, device=device), torch.stack(rows))  # [k], [k, V]
+
+    def refine(
+        self, token_ids: list[int], cheaper: Proposal, num_draft_tokens: int, sampler: RequestSampler
+    ) -> Proposal:
+        """As a middle stage: verify a cheaper drafter's tokens against this model's q (one forward),
+        keep the accepted prefix plus one resampled or bonus token, then extend to k tokens.
+
+        Rejection sampling makes every kept token distributed as this model's q given its prefix, so
+        the returned probabilities are q's rows and the target's verification stays exact."""
+        guesses = cheaper.token_ids.tolist()
+        pending = token_ids[self.draft.cache.length :]
+        logits = self.draft.extend(pending + guesses, num_logits=len(guesses) + 1)  # [m+1, V]
+        q = sampler.probs(logits, cheaper.token_ids)  # [m+1, V]
+        verdict = rejection_sample(cheaper.token_ids, cheaper.probs, q, sampler.generator)
+        kept = verdict.num_accepted
+        self.draft.cache.rollback(len(token_ids) + kept)
+        drafted = guesses[:kept] + [verdict.next_token]
+        rows = [q[i] for i in range(kept + 1)]
+        while len(drafted) < num_draft_tokens:
+            logits = self.draft.extend(drafted[-1:])  # the cache holds all but the newest drafted token
+            next_q = sampler.probs(logits, torch.tensor(drafted, dtype=torch.long, device=logits.device))  # [1, V]
+            drafted.append(int(torch.multinomial(next_q[0], 1, generator=sampler.generator)))
+            rows.append(next_q[0])
+        device = q.device
+        return Proposal(
+            torch.tensor(drafted[:num_draft_tokens], dtype=torch.long, device=device),
+            torch.stack(rows[:num_draft_tokens]),
+        )
 
     def accept(self, num_committed: int) -> None:
         self.draft.cache.rollback(min(num_committed, self.draft.cache.length))
