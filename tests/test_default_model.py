@@ -48,3 +48,27 @@ def test_fault_injection_is_off_unless_enabled(default_server):
     client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=120)
     response = client.completions.create(model="", prompt="Hello", max_tokens=3, extra_body={"fault_at_step": 0})
     assert response.usage.completion_tokens == 3
+
+
+PASSAGE = (
+    "The printing press, developed by Johannes Gutenberg around 1440, transformed how information spread "
+    "across Europe. Movable metal type let printers produce many identical copies quickly."
+)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self", "medusa", "staged"])
+def test_every_drafter_serves_the_default_model_with_greedy_output_unchanged(default_server, drafter):
+    client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": f"Repeat this passage exactly:\n\n{PASSAGE}"}]
+
+    def ask(speculative):
+        return client.chat.completions.create(
+            model="", messages=messages, max_tokens=40, temperature=0, extra_body={"speculative": speculative}
+        )
+
+    alone, drafted = ask({"drafter": "none"}), ask({"drafter": drafter})
+    assert drafted.choices[0].message.content == alone.choices[0].message.content
+    stats = drafted.usage.model_extra["speculative"]
+    assert stats["drafter"] == drafter and stats["drafted_tokens"] > 0
+    if drafter == "ngram":  # copying a passage from the prompt: lookup drafts are mostly right
+        assert stats["acceptance_rate"] > 0.6 and stats["mean_tokens_per_forward"] > 2

@@ -179,3 +179,32 @@ def test_sdk_raises_typed_errors_and_the_engine_keeps_serving(client):
 def test_health(server):
     response = httpx.get(f"{server.url}/health")
     assert response.status_code == 200 and response.json()["status"] == "ok"
+
+
+def test_a_request_can_choose_its_drafter_and_k(client):
+    def usage(speculative):
+        response = client.completions.create(
+            model="tiny",
+            prompt="abcabcabc",
+            max_tokens=12,
+            extra_body={"speculative": speculative, **GREEDY["extra_body"]},
+            temperature=0,
+        )
+        return response.usage.model_extra["speculative"]
+
+    assert usage({"drafter": "ngram"})["drafter"] == "ngram"
+    assert usage({"drafter": "none"})["drafted_tokens"] == 0
+    model = usage({"num_draft_tokens": 1})
+    assert model["drafter"] == "model" and model["mean_num_draft_tokens"] <= 1
+
+
+@pytest.mark.parametrize(
+    "speculative,param",
+    [
+        ({"drafter": "no-such-drafter"}, "speculative.drafter"),
+        ({"num_draft_tokens": 99}, "speculative.num_draft_tokens"),
+    ],
+)
+def test_bad_speculative_options_get_400(server, speculative, param):
+    response = httpx.post(f"{server.v1}/completions", json={"prompt": "x", "speculative": speculative})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine.config import EngineConfig
+from engine.drafters.medusa import MedusaHeads
 from engine.engine import SpecEngine, build_engine
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
@@ -91,11 +93,26 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
     "self": (False, {"drafter": "self", "self_layers": (0,)}),
     "staged-ngram-model": (True, {"drafter": "staged", "stages": ("ngram", "model")}),
     "staged-self-model": (True, {"drafter": "staged", "stages": ("self", "model"), "self_layers": (1,)}),
+    "medusa": (False, {"drafter": "medusa"}),  # random heads, written for the target by setup_engine
 }
+
+
+def random_medusa_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> Path:
+    """A head checkpoint with random weights, so the heads guess differently from the LM head."""
+    folder = Path(tempfile.mkdtemp(prefix="medusa-"))
+    torch.manual_seed(seed)
+    heads = MedusaHeads(num_heads, hidden_size)
+    with torch.no_grad():
+        for head in heads.heads:
+            head.weight.normal_(0.0, 0.5)
+    heads.save(folder, "tiny", {"note": "random, for tests"})
+    return folder
 
 
 def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, **kwargs) -> SpecEngine:
     needs_draft, options = DRAFTER_SETUPS[setup]
+    if options["drafter"] == "medusa":
+        options = {**options, "medusa_heads": str(random_medusa_heads(target.config.hidden_size))}
     return tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
 
 

@@ -1,0 +1,108 @@
+"""Drafter-specific behaviour; exactness for every drafter lives in test_lossless.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.adaptive import AdaptiveK
+from engine.config import ConfigError
+from engine.drafters.medusa import MedusaHeads
+from engine.drafters.ngram import NgramDrafter
+from engine.engine import Request
+from engine.sampling import SamplingParams
+from server.settings import ServeSettings
+from tests.tiny import perturbed_copy, random_medusa_heads, setup_engine, tiny_engine, tiny_llama
+
+
+def test_ngram_proposes_what_followed_the_longest_recent_match():
+    drafter = NgramDrafter(1, 3, torch.device("cpu"))
+    drafter.begin([])
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3]
+    assert drafter.propose(tokens, 3, None).token_ids.tolist() == [4, 5, 1]
+    assert drafter.propose(tokens + [4, 9], 3, None).token_ids.tolist() == []  # nothing seen after 9
+    assert drafter.propose(tokens + [4, 9, 1], 4, None).token_ids.tolist() == [2, 3, 4, 9]  # the latest match wins
+    assert drafter.propose(tokens + [4, 9, 1], 4, None).probs is None  # deterministic: verified as one-hot
+
+
+def test_self_drafter_leaves_the_targets_cache_exact():
+    target = tiny_llama(seed=4, vocab_size=64, init=0.2)
+    engine = setup_engine("self", target, None, num_draft_tokens=4)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    list(engine.generate(Request("a", [1, 2, 3], params)))
+    assert engine.target.cache.length > 3
+    cached = list(engine.target.cache.token_ids)
+    # the next turn reuses the cache the draft passes wrote into: it must hold the target's own KV
+    reused = [t for o in engine.generate(Request("b", cached + [5], params)) for t in o.token_ids]
+    fresh = [t for o in tiny_engine(target, None).generate(Request("b", cached + [5], params)) for t in o.token_ids]
+    assert reused == fresh
+
+
+def test_staged_stats_count_the_final_proposal():
+    target = tiny_llama(seed=5, vocab_size=64, init=0.2)
+    engine = setup_engine("staged-ngram-model", target, perturbed_copy(target, 0.05, 1), num_draft_tokens=4)
+    outputs = list(engine.generate(Request("s", [1, 2, 1, 2, 1], SamplingParams(max_tokens=24, temperature=0.0))))
+    stats = outputs[-1].stats
+    assert stats.drafter == "staged" and stats.drafted_tokens > 0 and stats.accepted_tokens > 0
+
+
+def test_staged_rejects_a_stage_that_cannot_refine():
+    target = tiny_llama(seed=5, vocab_size=64)
+    with pytest.raises(ConfigError, match="cannot verify"):
+        tiny_engine(target, None, drafter="staged", stages=("ngram", "ngram"))
+
+
+def test_medusa_checkpoint_round_trip(tmp_path):
+    folder = random_medusa_heads(32, num_heads=3)
+    heads = MedusaHeads.load(folder)
+    features = heads(torch.ones(32))
+    assert features.shape == (3, 32)
+    (tmp_path / "config.json").write_text('{"format": "something-else"}')
+    with pytest.raises(ConfigError, match="format"):
+        MedusaHeads.load(tmp_path)
+    with pytest.raises(ConfigError, match="no Medusa head checkpoint"):
+        MedusaHeads.load(tmp_path / "missing")
+
+
+def test_medusa_drafts_from_the_second_step_on():
+    target = tiny_llama(seed=6, vocab_size=64, init=0.2)
+    engine = setup_engine("medusa", target, None, num_draft_tokens=3)
+    outputs = list(engine.generate(Request("m", [4, 5, 6], SamplingParams(max_tokens=12, temperature=0.0))))
+    assert outputs[0].stats.drafted_tokens == 0  # no hidden state yet for this request
+    assert outputs[-1].stats.drafted_tokens > 0
+
+
+def test_adaptive_k_prefers_plain_decoding_when_drafts_are_costly_and_rejected():
+    policy = AdaptiveK(max_k=6, alpha=0.1, draft_cost=0.05, verify_cost={0: 0.03, 6: 0.04})
+    assert policy.choose(6) == 0
+
+
+def test_adaptive_k_drafts_long_when_drafts_are_cheap_and_accepted():
+    policy = AdaptiveK(max_k=6, alpha=0.9, draft_cost=0.002, verify_cost={0: 0.03, 6: 0.035})
+    assert policy.choose(6) == 6
+    assert policy.choose(2) == 2  # never past what the request allows
+
+
+def test_adaptive_k_learns_acceptance_from_steps():
+    policy = AdaptiveK(max_k=4)
+    for _ in range(50):
+        policy.observe(4, 0, 0.01, 0.02)
+    assert policy.alpha < 0.1
+    for _ in range(50):
+        policy.observe(4, 4, 0.01, 0.02)
+    assert policy.alpha > 0.8
+
+
+def test_adaptive_k_is_reported_in_stats():
+    target = tiny_llama(seed=7, vocab_size=64, init=0.2)
+    engine = setup_engine("model-adaptive-k", target, perturbed_copy(target, 0.05, 2), num_draft_tokens=5)
+    outputs = list(engine.generate(Request("k", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0))))
+    stats = outputs[-1].stats.to_dict()
+    assert 0 <= stats["mean_num_draft_tokens"] <= 5 and stats["target_forwards"] > 1
+
+
+def test_ngram_self_and_medusa_load_no_draft_model():
+    for drafter in ("ngram", "self", "medusa"):
+        assert ServeSettings.load(None, {"drafter": drafter}).resolved_draft is None
+    assert ServeSettings.load(None, {"drafter": "staged"}).resolved_draft == "copy:bfloat16"
+    assert ServeSettings.load(None, {"drafter": "staged", "stages": "ngram,self"}).resolved_draft is None
