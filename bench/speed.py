@@ -1,10 +1,12 @@
-"""Target-only vs speculative decoding on one model, same prompts, same process, interleaved.
+"""Target-only vs every drafter on one model: same prompts, same process, interleaved runs.
 
-    make bench                      # the embedded SmolLM2-135M default, greedy, 96 new tokens
-    make bench ARGS="--repeats 5"
+    make bench                                   # embedded SmolLM2-135M, greedy, 96 new tokens
+    make bench ARGS="--repeats 3 --drafters none,model,ngram"
 
-Writes bench/results/speed.json: per prompt and mode, median tokens/s, time to first token,
-acceptance, and whether greedy outputs are identical to target-only decoding.
+One engine serves every configuration (the drafter is chosen per request), so all share the same
+weights and caches; every run starts from an empty cache. Writes bench/results/speed.json and prints
+a markdown table: acceptance rate, mean accepted length, tokens/s and speedup vs target-only.
+Greedy outputs are checked to be identical to target-only decoding.
 """
 
 from __future__ import annotations
@@ -39,85 +41,104 @@ PROMPTS = {
 }
 
 
-def timed_run(engine: SpecEngine, prompt_ids: list[int], max_tokens: int) -> dict:
+def timed_run(engine: SpecEngine, drafter: str, prompt_ids: list[int], max_tokens: int) -> dict:
     engine.reset()  # every run prefills from scratch, so repeats are comparable
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     start = time.perf_counter()
     first = None
     tokens: list[int] = []
-    for output in engine.generate(Request("bench", prompt_ids, params)):
-        if first is None:
-            first = time.perf_counter() - start
+    for output in engine.generate(Request("bench", prompt_ids, params, drafter=drafter)):
+        first = first if first is not None else time.perf_counter() - start
         tokens += output.token_ids
     elapsed = time.perf_counter() - start
     stats = output.stats
     return {
         "tokens": tokens,
         "tokens_per_s": len(tokens) / elapsed,
-        "decode_tokens_per_s": (len(tokens) - 1) / max(elapsed - first, 1e-9),
         "ttft_s": first,
         "acceptance_rate": stats.acceptance_rate,
         "mean_tokens_per_forward": stats.mean_tokens_per_forward,
+        "mean_num_draft_tokens": stats.mean_num_draft_tokens,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="model ref (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default="copy:bfloat16")
+    parser.add_argument("--draft", default="copy:bfloat16", help="the model drafter's draft")
+    parser.add_argument("--drafters", default="none,model,ngram,self,medusa,staged")
+    parser.add_argument("--adaptive", default="model,ngram", help="drafters also run with adaptive k")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "speed.json"))
     args = parser.parse_args()
 
-    config = EngineConfig(
-        target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens, max_model_len=2048
-    )
-    models = load(config)
-    eos = eos_token_ids(models.target, models.tokenizer)
-    engines = {
-        "target-only": build_engine(EngineConfig(target=args.target, max_model_len=2048), models.target, None, eos),
-        f"speculative (draft {args.draft}, k={args.num_draft_tokens})": build_engine(
-            config, models.target, models.draft, eos
-        ),
-    }
-    results = {}
-    for name, text in PROMPTS.items():
-        prompt_ids = models.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    def config(adaptive: bool) -> EngineConfig:
+        return EngineConfig(
+            target=args.target,
+            draft=args.draft,
+            num_draft_tokens=args.num_draft_tokens,
+            max_model_len=2048,
+            adaptive_k=adaptive,
         )
-        prompt_ids = models.tokenizer(prompt_ids, add_special_tokens=False).input_ids
-        runs: dict[str, list[dict]] = {mode: [] for mode in engines}
+
+    models = load(config(False))
+    eos = eos_token_ids(models.target, models.tokenizer)
+    fixed = build_engine(config(False), models.target, models.draft, eos)
+    adaptive = build_engine(config(True), models.target, models.draft, eos)
+    modes = {name: (fixed, name) for name in args.drafters.split(",")}
+    modes.update({f"{name}+adaptive-k": (adaptive, name) for name in args.adaptive.split(",") if name})
+    results: dict[str, dict] = {}
+    for prompt_name, text in PROMPTS.items():
+        chat = [{"role": "user", "content": text}]
+        rendered = models.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        prompt_ids = models.tokenizer(rendered, add_special_tokens=False).input_ids
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for _ in range(args.repeats):
-            for mode, engine in engines.items():  # interleaved, so machine noise hits every mode alike
-                runs[mode].append(timed_run(engine, prompt_ids, args.max_tokens))
-        baseline = runs["target-only"][0]["tokens"]
-        results[name] = {
-            mode: {
-                "tokens": len(r[0]["tokens"]),
-                "tokens_per_s": statistics.median(x["tokens_per_s"] for x in r),
-                "decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in r),
-                "ttft_s": statistics.median(x["ttft_s"] for x in r),
-                "acceptance_rate": r[0]["acceptance_rate"],
-                "mean_tokens_per_forward": r[0]["mean_tokens_per_forward"],
-                "greedy_identical_to_target_only": r[0]["tokens"] == baseline,
+            for mode, (engine, drafter) in modes.items():  # interleaved: machine noise hits every mode alike
+                runs[mode].append(timed_run(engine, drafter, prompt_ids, args.max_tokens))
+        baseline = runs["none"][0]
+        base_speed = statistics.median(r["tokens_per_s"] for r in runs["none"])
+        results[prompt_name] = {}
+        for mode, mode_runs in runs.items():
+            speed = statistics.median(r["tokens_per_s"] for r in mode_runs)
+            results[prompt_name][mode] = {
+                "tokens": len(mode_runs[0]["tokens"]),
+                "tokens_per_s": round(speed, 2),
+                "speedup_vs_target_only": round(speed / base_speed, 3),
+                "ttft_s": round(statistics.median(r["ttft_s"] for r in mode_runs), 4),
+                "acceptance_rate": round(mode_runs[0]["acceptance_rate"], 3),
+                "mean_tokens_per_forward": round(mode_runs[0]["mean_tokens_per_forward"], 3),
+                "mean_num_draft_tokens": round(mode_runs[0]["mean_num_draft_tokens"], 3),
+                "greedy_identical_to_target_only": mode_runs[0]["tokens"] == baseline["tokens"],
             }
-            for mode, r in runs.items()
-        }
-        modes = list(results[name].values())
-        results[name]["speedup"] = modes[1]["tokens_per_s"] / modes[0]["tokens_per_s"]
-        print(name, json.dumps(results[name], indent=1))
     report = {
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "torch": torch.__version__,
         "model": models.target_name,
+        "num_draft_tokens": args.num_draft_tokens,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "results": results,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(table(results))
+    print(f"\nwrote {args.out}")
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = [
+        "| prompt | drafter | acceptance | tokens/forward | tokens/s | vs target-only | greedy same |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for prompt_name, modes in results.items():
+        for mode, r in modes.items():
+            lines.append(
+                f"| {prompt_name} | {mode} | {r['acceptance_rate']:.2f} | {r['mean_tokens_per_forward']:.2f} | "
+                f"{r['tokens_per_s']:.1f} | {r['speedup_vs_target_only']:.2f}x | {r['greedy_identical_to_target_only']} |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

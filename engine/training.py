@@ -155,10 +155,12 @@ def train_medusa(
     return report
 
 
-def calibrate_self(engine: SpecEngine, tokenizer, model_name: str, keep: int, max_chars: int, out: Path | None) -> dict:
+def calibrate_self(
+    engine: SpecEngine, tokenizer, model_name: str, keep: int, max_chars: int, out: Path | None, tokens: int = 256
+) -> dict:
     ids = tokenizer(stdlib_text(max_chars)).input_ids[: engine.max_model_len]
-    sequences = chat_transcripts(engine, tokenizer, 3, max_tokens=64)
-    sample = (sum(sequences, []) + ids)[:512]
+    sequences = chat_transcripts(engine, tokenizer, 2, max_tokens=64)
+    sample = (sum(sequences, []) + ids)[:tokens]  # half chat answers, half source code
     layers, score = calibrate(engine.target, sample, keep)
     result = {
         "model": model_name,

@@ -89,6 +89,7 @@ def tiny_engine(
 DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
     "model": (True, {"drafter": "model"}),
     "model-adaptive-k": (True, {"drafter": "model", "adaptive_k": True}),
+    "model-confidence-cutoff": (True, {"drafter": "model", "min_draft_confidence": 0.3}),
     "ngram": (False, {"drafter": "ngram"}),
     "self": (False, {"drafter": "self", "self_layers": (0,)}),
     "staged-ngram-model": (True, {"drafter": "staged", "stages": ("ngram", "model")}),

@@ -14,8 +14,9 @@ from .base import DraftResources, Proposal, register
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, draft: CausalLM) -> None:
+    def __init__(self, draft: CausalLM, min_confidence: float = 0.0) -> None:
         self.draft = draft
+        self.min_confidence = min_confidence  # stop drafting once q's top probability falls below this
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.draft.cache.reuse_prefix(prompt_ids)
@@ -27,13 +28,16 @@ class ModelDrafter:
         rows: list[torch.Tensor] = []
         for i in range(num_draft_tokens):
             q = sampler.probs(logits, torch.tensor(drafted, dtype=torch.long, device=logits.device))  # [1, V]
+            if self.min_confidence and float(q[0].max()) < self.min_confidence:
+                break  # decided from q alone, so verification stays exact
             token = int(torch.multinomial(q[0], 1, generator=sampler.generator))
             drafted.append(token)
             rows.append(q[0])
             if i + 1 < num_draft_tokens:
                 logits = self.draft.extend([token])
-        device = logits.device
-        return Proposal(torch.tensor(drafted, dtype=torch.long, device=device), torch.stack(rows))  # [k], [k, V]
+        if not drafted:
+            return Proposal.empty(logits.device)
+        return Proposal(torch.tensor(drafted, dtype=torch.long, device=logits.device), torch.stack(rows))  # [k], [k, V]
 
     def refine(
         self, token_ids: list[int], cheaper: Proposal, num_draft_tokens: int, sampler: RequestSampler
@@ -71,4 +75,4 @@ class ModelDrafter:
 def _build(resources: DraftResources) -> ModelDrafter:
     if resources.draft is None:
         raise ConfigError("the 'model' drafter needs a draft model (--draft REF)")
-    return ModelDrafter(resources.draft)
+    return ModelDrafter(resources.draft, resources.config.min_draft_confidence)

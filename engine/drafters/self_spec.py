@@ -93,7 +93,7 @@ def calibrate(target: CausalLM, token_ids: list[int], keep: int) -> tuple[tuple[
         scores = [agreement(target, token_ids, candidate, reference) for candidate in candidates]
         best = max(range(len(candidates)), key=scores.__getitem__)
         layers, score = candidates[best], scores[best]
-        log.info("%d layers: agreement %.3f (dropped %d)", len(layers), score, sorted(set(everything) - set(layers)))
+        log.info("%d layers: agreement %.3f (dropped %s)", len(layers), score, sorted(set(everything) - set(layers)))
     target.cache.rollback(0)  # calibration wrote scratch keys and values
     return layers, score
 
