@@ -58,3 +58,19 @@ def test_draft_with_a_different_vocabulary_is_refused(tmp_path):
 def test_missing_model_folder_is_a_clear_error():
     result = run_cli("--target", "./no/such/folder", "--port", str(free_port()))
     assert result.returncode == 2 and "model folder not found" in result.stderr
+
+
+def test_drafter_flag_selects_the_default_drafter(tiny_model_dirs, tmp_path):
+    from openai import OpenAI
+
+    from tests.conftest import start_server, stop_server
+
+    target, _ = tiny_model_dirs
+    server = start_server(["--target", str(target), "--drafter", "ngram", "--max-model-len", "128"], tmp_path / "log")
+    try:
+        client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+        response = client.completions.create(model="", prompt="abcabcabcabc", max_tokens=8, temperature=0)
+        assert response.usage.model_extra["speculative"]["drafter"] == "ngram"
+    finally:
+        stop_server(server)
+    assert "draft None, drafter ngram" in server.log.read_text()  # no draft model was loaded
