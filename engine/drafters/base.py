@@ -41,6 +41,37 @@ class Drafter(Protocol):
         """The first ``num_committed`` tokens of the sequence are final; drop state beyond them."""
 
 
+def sample_chain(
+    logits: torch.Tensor,
+    advance: Callable[[int], torch.Tensor],
+    num_draft_tokens: int,
+    sampler: RequestSampler,
+    drafted: list[int] | None = None,
+    rows: list[torch.Tensor] | None = None,
+    min_confidence: float = 0.0,
+) -> Proposal:
+    """Sample draft tokens one at a time until there are ``num_draft_tokens``.
+
+    ``logits`` [1, V] follow the last token so far; ``advance(token)`` feeds a sampled token to the
+    drafting model and returns the next [1, V] logits. ``drafted``/``rows`` continue an existing
+    draft (tokens with the distributions they came from). Drafting stops early when q's top
+    probability falls below ``min_confidence``: a decision from q alone, so verification stays exact.
+    """
+    drafted, rows = list(drafted or []), list(rows or [])
+    while len(drafted) < num_draft_tokens:
+        q = sampler.probs(logits, torch.tensor(drafted, dtype=torch.long, device=logits.device))  # [1, V]
+        if min_confidence and float(q[0].max()) < min_confidence:
+            break
+        drafted.append(int(torch.multinomial(q[0], 1, generator=sampler.generator)))
+        rows.append(q[0])
+        if len(drafted) < num_draft_tokens:
+            logits = advance(drafted[-1])
+    if not drafted:
+        return Proposal.empty(logits.device)
+    token_ids = torch.tensor(drafted[:num_draft_tokens], dtype=torch.long, device=logits.device)  # [k]
+    return Proposal(token_ids, torch.stack(rows[:num_draft_tokens]))  # [k], [k, V]
+
+
 @dataclass(frozen=True, slots=True)
 class DraftResources:
     """What a drafter may be built from."""

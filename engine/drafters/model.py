@@ -8,7 +8,7 @@ from ..config import ConfigError
 from ..model import CausalLM
 from ..sampling import RequestSampler
 from ..spec import rejection_sample
-from .base import DraftResources, Proposal, register
+from .base import DraftResources, Proposal, register, sample_chain
 
 
 class ModelDrafter:
@@ -24,20 +24,7 @@ class ModelDrafter:
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         pending = token_ids[self.draft.cache.length :]  # the last token, plus a fully accepted draft's tail
         logits = self.draft.extend(pending)  # [1, V]
-        drafted: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(num_draft_tokens):
-            q = sampler.probs(logits, torch.tensor(drafted, dtype=torch.long, device=logits.device))  # [1, V]
-            if self.min_confidence and float(q[0].max()) < self.min_confidence:
-                break  # decided from q alone, so verification stays exact
-            token = int(torch.multinomial(q[0], 1, generator=sampler.generator))
-            drafted.append(token)
-            rows.append(q[0])
-            if i + 1 < num_draft_tokens:
-                logits = self.draft.extend([token])
-        if not drafted:
-            return Proposal.empty(logits.device)
-        return Proposal(torch.tensor(drafted, dtype=torch.long, device=logits.device), torch.stack(rows))  # [k], [k, V]
+        return sample_chain(logits, self._advance, num_draft_tokens, sampler, min_confidence=self.min_confidence)
 
     def refine(
         self, token_ids: list[int], cheaper: Proposal, num_draft_tokens: int, sampler: RequestSampler
@@ -56,16 +43,13 @@ class ModelDrafter:
         self.draft.cache.rollback(len(token_ids) + kept)
         drafted = guesses[:kept] + [verdict.next_token]
         rows = [q[i] for i in range(kept + 1)]
-        while len(drafted) < num_draft_tokens:
-            logits = self.draft.extend(drafted[-1:])  # the cache holds all but the newest drafted token
-            next_q = sampler.probs(logits, torch.tensor(drafted, dtype=torch.long, device=logits.device))  # [1, V]
-            drafted.append(int(torch.multinomial(next_q[0], 1, generator=sampler.generator)))
-            rows.append(next_q[0])
-        device = q.device
-        return Proposal(
-            torch.tensor(drafted[:num_draft_tokens], dtype=torch.long, device=device),
-            torch.stack(rows[:num_draft_tokens]),
-        )
+        if len(drafted) < num_draft_tokens:  # the cache holds all but the newest drafted token: feed it
+            return sample_chain(self._advance(drafted[-1]), self._advance, num_draft_tokens, sampler, drafted, rows)
+        token_ids = torch.tensor(drafted[:num_draft_tokens], dtype=torch.long, device=q.device)  # [k]
+        return Proposal(token_ids, torch.stack(rows[:num_draft_tokens]))  # [k], [k, V]
+
+    def _advance(self, token: int) -> torch.Tensor:
+        return self.draft.extend([token])  # [1, V]
 
     def accept(self, num_committed: int) -> None:
         self.draft.cache.rollback(min(num_committed, self.draft.cache.length))

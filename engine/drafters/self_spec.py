@@ -18,7 +18,7 @@ import torch
 from ..config import ConfigError
 from ..model import CausalLM
 from ..sampling import RequestSampler
-from .base import DraftResources, Proposal, register
+from .base import DraftResources, Proposal, register, sample_chain
 
 log = logging.getLogger(__name__)
 CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "calibration"
@@ -37,21 +37,18 @@ class SelfDrafter:
         """The draft reads the target's own cache: nothing of its own to prepare."""
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
-        position = self.target.cache.length  # the target's committed KV ends here
-        pending = token_ids[position:]
-        logits = self.target.draft_through(pending, position, self.layers)  # [1, V]
-        position += len(pending)
-        drafted: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(num_draft_tokens):
-            q = sampler.probs(logits, torch.tensor(drafted, dtype=torch.long, device=logits.device))  # [1, V]
-            token = int(torch.multinomial(q[0], 1, generator=sampler.generator))
-            drafted.append(token)
-            rows.append(q[0])
-            if i + 1 < num_draft_tokens:
-                logits = self.target.draft_through([token], position, self.layers)
-                position += 1
-        return Proposal(torch.tensor(drafted, dtype=torch.long, device=logits.device), torch.stack(rows))
+        start = self.target.cache.length  # the target's committed KV ends here
+        pending = token_ids[start:]
+        position = start + len(pending)
+
+        def advance(token: int) -> torch.Tensor:
+            nonlocal position
+            logits = self.target.draft_through([token], position, self.layers)  # [1, V]
+            position += 1
+            return logits
+
+        logits = self.target.draft_through(pending, start, self.layers)  # [1, V]
+        return sample_chain(logits, advance, num_draft_tokens, sampler)
 
     def accept(self, num_committed: int) -> None:
         """The verify pass already overwrote every drafted position with the full model's KV."""
