@@ -1,0 +1,147 @@
+"""/v1/chat/completions: chat templates, logprobs, response_format, tools, streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from engine.grammar import GrammarCompiler, GrammarError
+
+from .errors import BadRequest
+from .generation import Choice, ServingCore, TokenPiece, UsageTotals
+from .protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ResponseFormat,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+    new_id,
+    now,
+)
+from .tools import ToolCallStream, parse_tool_calls, plan_tools
+
+
+class ChatServing(ServingCore):
+    def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+        messages = [message.template_dict() for message in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # templates raise their own errors (e.g. roles out of order)
+            raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from exc
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> list[Choice]:
+        self.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs requires logprobs: true", "top_logprobs")
+        tools = plan_tools(body)
+        prompt_ids = self.chat_prompt(body, tools.tools)
+        requested = body.max_completion_tokens or body.max_tokens
+        max_tokens = requested or max(1, self.engine.engine.max_model_len - len(prompt_ids))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, max_tokens, logprobs)
+        self._check_fits(prompt_ids, params.max_tokens, "max_completion_tokens" if requested else "messages")
+        choices = self._choices(body, [prompt_ids], params, [""])
+        if tools.forced_schema is not None:
+            grammar = self._grammar(ResponseFormat(type="json_schema", json_schema={"schema": tools.forced_schema}))
+        else:
+            grammar = self._grammar(body.response_format)
+        for choice in choices:
+            choice.grammar, choice.tools = grammar, tools
+        return choices
+
+    def _grammar(self, response_format: ResponseFormat | None) -> object | None:
+        if response_format is None or response_format.type == "text":
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.engine.engine.eos_token_ids)
+        if response_format.type == "json_object":
+            return self._grammars.json_object()
+        if response_format.json_schema is None:
+            raise BadRequest("response_format json_schema needs a json_schema object", "response_format.json_schema")
+        try:
+            return self._grammars.json_schema(response_format.json_schema.schema_)
+        except GrammarError as exc:
+            raise BadRequest(str(exc), "response_format.json_schema") from exc
+
+    def _chat_logprobs(self, pieces: list[TokenPiece] | None) -> ChatLogprobs | None:
+        if pieces is None:
+            return None
+        content = []
+        for piece in pieces:
+            top = [
+                TopLogprob(token=(text := self._token_text(t)), logprob=lp, bytes=list(text.encode()))
+                for t, lp in piece.logprob.top
+            ]
+            content.append(
+                ChatTokenLogprob(
+                    token=piece.text, logprob=piece.logprob.logprob, bytes=list(piece.text.encode()), top_logprobs=top
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    async def chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
+        choices, totals = [], UsageTotals()
+        for choice in self.prepare_chat(body):
+            parts, pieces = [], []
+            async for delta in self._generate(choice, "chat"):
+                parts.append(delta.text)
+                pieces.extend(delta.pieces or [])
+            totals.add(delta, choice.first_of_prompt)
+            logprobs = self._chat_logprobs(pieces if choice.params.logprobs is not None else None)
+            content, calls, finish = "".join(parts), [], delta.finish_reason
+            if choice.tools is not None and choice.tools.parse:
+                content, calls = parse_tool_calls(content, choice.tools.names)
+                finish = "tool_calls" if calls else finish
+            message = ChatResponseMessage(content=content, tool_calls=[call.to_openai() for call in calls] or None)
+            choices.append(ChatChoice(index=choice.index, message=message, logprobs=logprobs, finish_reason=finish))
+        return ChatCompletionResponse(
+            id=new_id("chatcmpl"), created=now(), model=self.model_name, choices=choices, usage=totals.usage()
+        )
+
+    async def chat_stream(self, body: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        return self._chat_chunks(body, self.prepare_chat(body))
+
+    async def _chat_chunks(
+        self, body: ChatCompletionRequest, choices: list[Choice]
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        request_id, created, totals = new_id("chatcmpl"), now(), UsageTotals()
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+
+        for choice in choices:
+            yield chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
+            tool_stream = ToolCallStream(choice.tools.names) if choice.tools and choice.tools.parse else None
+            async for delta in self._generate(choice, "chat"):
+                text, calls, finish = delta.text, [], delta.finish_reason
+                if tool_stream is not None:
+                    text = tool_stream.push(text)
+                    if finish is not None:
+                        rest, calls = tool_stream.finish()
+                        text += rest
+                        finish = "tool_calls" if calls else finish
+                if delta.final is not None:
+                    totals.add(delta, choice.first_of_prompt)
+                usage = totals.usage() if delta.final is not None and choice is choices[-1] else None
+                tool_deltas = [ToolCallDelta(index=i, **call.to_openai()) for i, call in enumerate(calls)] or None
+                chunk_choice = ChatChunkChoice(
+                    index=choice.index,
+                    delta=ChatDelta(content=text or None, tool_calls=tool_deltas),
+                    logprobs=self._chat_logprobs(delta.pieces),
+                    finish_reason=finish,
+                )
+                yield chunk([chunk_choice], usage)
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunk([], totals.usage())

@@ -1,0 +1,298 @@
+"""What both generation endpoints share: request validation, and engine outputs turned into text,
+logprob pieces, metrics and usage."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.async_engine import AsyncEngine, EngineDead
+from engine.config import ConfigError
+from engine.engine import PromptTooLong, Request, StepOutput, TokenLogprob
+from engine.grammar import GrammarCompiler
+from engine.sampling import SamplingError, SamplingParams
+from engine.stats import SpecStats
+
+from .detokenizer import IncrementalDetokenizer, TextStream
+from .errors import BadRequest, EngineUnavailable, InternalError, ModelNotFound, OpenAIError
+from .metrics import Metrics
+from .protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    PromptTokensDetails,
+    SpeculativeUsage,
+    TokenizeRequest,
+    TokenizeResponse,
+    Usage,
+    _Request,
+)
+from .tools import ToolPlan
+
+MAX_STOP_STRINGS = 4
+MAX_N = 16
+
+
+@dataclass(slots=True)
+class TokenPiece:
+    """One generated token: the text it released (joined pieces equal the output) and its logprob."""
+
+    text: str
+    logprob: TokenLogprob | None
+
+
+@dataclass(slots=True)
+class TextDelta:
+    text: str
+    pieces: list[TokenPiece] | None = None  # when logprobs were asked for
+    finish_reason: str | None = None
+    final: StepOutput | None = None  # the engine's last output, on the last delta
+    completion_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
+
+
+@dataclass(slots=True)
+class UsageTotals:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def add(self, delta: TextDelta, count_prompt: bool) -> None:
+        output = delta.final
+        if count_prompt:
+            self.prompt_tokens += output.prompt_tokens
+            self.cached_tokens += output.cached_tokens
+        self.completion_tokens += delta.completion_tokens
+        self.stats.add(output.stats)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            speculative=SpeculativeUsage(**self.stats.to_dict()),
+        )
+
+
+@dataclass(slots=True)
+class Choice:
+    """One generation to run: choices run one after another at batch size 1."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_of_prompt: bool  # usage counts each prompt once, however many choices it has
+    echo: str = ""
+    grammar: object | None = None  # a compiled grammar the output must follow
+    tools: ToolPlan | None = None
+    fail_at_step: int | None = None  # the fault-injection test hook, when the server enables it
+    drafter: str | None = None  # None: the server's default
+    num_draft_tokens: int | None = None
+
+
+class ServingCore:
+    def __init__(
+        self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, metrics: Metrics
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self.vocab_size = engine.engine.vocab_size
+        self._grammars: GrammarCompiler | None = None  # built on first use: it indexes the whole vocabulary
+
+    # ---- request -> engine --------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model_name:
+            raise ModelNotFound(f"the model '{name}' does not exist; this server serves '{self.model_name}'", "model")
+
+    def _sampling_params(self, body: _Request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if body.stream_options is not None and not body.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        if body.n > MAX_N:
+            raise BadRequest(f"n must be at most {MAX_N}", "n")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+        logit_bias: dict[int, float] = {}
+        for key, bias in (body.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
+                raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {self.vocab_size})", "logit_bias")
+            logit_bias[int(key)] = bias
+        values = {
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_p": body.min_p,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty,
+        }
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                **{key: value for key, value in values.items() if value is not None},
+                seed=body.seed,
+                logit_bias=logit_bias,
+                stop=stop,
+                stop_token_ids=list(body.stop_token_ids or []),
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+        except SamplingError as exc:
+            raise BadRequest(str(exc), exc.param) from exc
+
+    def _speculation(self, body: _Request) -> tuple[str | None, int | None]:
+        """The request's own drafter and k (extra body field ``speculative``), checked up front."""
+        options = body.speculative
+        if options is None:
+            return None, None
+        if options.drafter is not None and options.drafter != "none":
+            try:
+                self.engine.engine.drafter(options.drafter)
+            except ConfigError as exc:
+                raise BadRequest(str(exc), "speculative.drafter") from exc
+        drafter = "none" if options.drafter == "none" else options.drafter
+        return drafter, options.num_draft_tokens
+
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+        try:
+            self.engine.engine.check_fits(len(prompt_ids), max_tokens)
+        except PromptTooLong as exc:
+            raise BadRequest(str(exc), param, code="context_length_exceeded") from exc
+
+    def _choices(
+        self, body: _Request, prompts: list[list[int]], params: SamplingParams, echoes: list[str]
+    ) -> list[Choice]:
+        """Prompt i's j-th choice gets index i * n + j; a seeded request gives each choice seed + j."""
+        n, choices = body.n, []
+        drafter, num_draft_tokens = self._speculation(body)
+        fail_at_step = None
+        if self.engine.engine.config.fault_injection and body.model_extra:
+            fail_at_step = body.model_extra.get("fault_at_step")
+        for i, prompt_ids in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else (params.seed + j) % 2**63
+                choice_params = replace(params, seed=seed)
+                choice = Choice(i * n + j, prompt_ids, choice_params, j == 0, echoes[i], fail_at_step=fail_at_step)
+                choice.drafter, choice.num_draft_tokens = drafter, num_draft_tokens
+                choices.append(choice)
+        return choices
+
+    # ---- /tokenize, /detokenize ---------------------------------------------------------------
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give exactly one of prompt and messages", "prompt")
+        if body.prompt is not None:
+            tokens = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        else:
+            messages = [message.template_dict() for message in body.messages]
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            )
+            tokens = self.tokenizer(text, add_special_tokens=False).input_ids
+        return TokenizeResponse(count=len(tokens), max_model_len=self.engine.engine.max_model_len, tokens=tokens)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        if any(not 0 <= token < self.vocab_size for token in body.tokens):
+            raise BadRequest(f"token ids must be in [0, {self.vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+
+    # ---- engine -> text -----------------------------------------------------------------------
+
+    async def _generate(self, choice: Choice, endpoint: str) -> AsyncIterator[TextDelta]:
+        """Run one choice, yielding one delta per token that releases text (so a run of accepted
+        drafts streams token by token); the last delta carries the finish reason and totals."""
+        params = choice.params
+        text = TextStream(self.tokenizer, choice.prompt_ids, params.stop)
+        with_logprobs = params.logprobs is not None
+        completion_tokens = 0
+        started = last = time.perf_counter()
+        prompt_logprobs = None
+        waiting: list[TokenPiece] = []  # tokens that released no text yet (part of a character, or held back)
+        request = Request(
+            uuid.uuid4().hex,
+            choice.prompt_ids,
+            params,
+            num_draft_tokens=choice.num_draft_tokens,
+            drafter=choice.drafter,
+            grammar=choice.grammar,
+            fail_at_step=choice.fail_at_step,
+        )
+        outputs = self.engine.generate(request)
+        try:
+            async for output in outputs:
+                now_ = time.perf_counter()
+                self._observe(output, now_ - last, first=completion_tokens == 0)
+                last = now_
+                completion_tokens += len(output.token_ids)
+                prompt_logprobs = prompt_logprobs or output.prompt_logprobs
+                finish = None
+                for piece in self._pieces(text, output):
+                    waiting.append(piece)
+                    if piece.text:
+                        yield TextDelta(piece.text, waiting if with_logprobs else None, prompt_logprobs=prompt_logprobs)
+                        waiting, prompt_logprobs = [], None
+                finish = "stop" if text.stopped else output.finish_reason
+                if finish is None:
+                    continue
+                tail = text.finish()
+                if waiting:
+                    waiting[-1].text += tail
+                self.metrics.e2e.observe(time.perf_counter() - started)
+                self.metrics.requests.labels(endpoint=endpoint, finish_reason=finish).inc()
+                self.metrics.prompt_tokens.inc(output.prompt_tokens)
+                self.metrics.cached_prompt_tokens.inc(output.cached_tokens)
+                pieces = waiting if with_logprobs else None
+                yield TextDelta(tail, pieces, finish, output, completion_tokens, prompt_logprobs)
+                return
+        except EngineDead as exc:
+            raise EngineUnavailable(str(exc)) from exc
+        except OpenAIError:
+            raise
+        except Exception as exc:  # the engine failed this request; it has reset itself and serves on
+            raise InternalError(f"the engine failed on this request: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await outputs.aclose()  # leaving early (stop string, disconnect) aborts the request
+
+    def _observe(self, output: StepOutput, gap: float, first: bool) -> None:
+        if output.step is not None:
+            self.metrics.observe_step(output.stats.drafter, output.step)
+        count = len(output.token_ids)
+        if not count:
+            return
+        self.metrics.generation_tokens.inc(count)
+        if first:
+            self.metrics.ttft.observe(gap)
+        else:
+            for _ in range(count):
+                self.metrics.itl.observe(gap / count)
+
+    @staticmethod
+    def _pieces(text: TextStream, output: StepOutput) -> list[TokenPiece]:
+        """Push tokens one at a time: each token is paired with exactly the text it released."""
+        logprobs = output.logprobs or [None] * len(output.token_ids)
+        pieces = []
+        for token, logprob in zip(output.token_ids, logprobs, strict=True):
+            if text.stopped:
+                break
+            pieces.append(TokenPiece(text.push([token]), logprob))
+        return pieces
+
+    def _prompt_pieces(self, prompt_ids: list[int], logprobs: list[TokenLogprob | None]) -> list[TokenPiece]:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, [])
+        texts = [detokenizer.push([token]) for token in prompt_ids]
+        texts[-1] += detokenizer.flush()
+        return [TokenPiece(t, lp) for t, lp in zip(texts, logprobs, strict=True)]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
