@@ -2,7 +2,7 @@
 
 With per-token acceptance alpha, k drafts yield (1 - alpha^(k+1)) / (1 - alpha) tokens per step
 (Leviathan et al., 2023) at a cost of k * c_draft + c_verify(k). The policy picks the k in
-[0, max_k] with the most expected tokens per second; k = 0 is plain decoding. The choice depends
+[0, limit] (what the request and cache allow) with the most expected tokens per second; k = 0 is plain decoding. The choice depends
 only on past steps, never on the current step's draws, so the output distribution is unchanged.
 """
 
@@ -16,7 +16,6 @@ PROBE_EVERY = 16  # while plain decoding wins, still draft once in a while to ke
 
 @dataclass(slots=True)
 class AdaptiveK:
-    max_k: int
     alpha: float = 0.7  # running per-token acceptance
     draft_cost: float | None = None  # seconds per drafted token
     verify_cost: dict[int, float] = field(default_factory=dict)  # seconds per verify pass, by k
@@ -24,12 +23,11 @@ class AdaptiveK:
 
     def choose(self, limit: int) -> int:
         """The k to draft now, at most ``limit`` (what the request and cache still allow)."""
-        top = min(self.max_k, limit)
-        if top <= 0:
+        if limit <= 0:
             return 0
         if self.draft_cost is None or 0 not in self.verify_cost:
-            return 0 if 0 not in self.verify_cost else top  # measure plain decoding, then drafting
-        best = max(range(top + 1), key=self._tokens_per_second)
+            return 0 if 0 not in self.verify_cost else limit  # measure plain decoding, then drafting
+        best = max(range(limit + 1), key=self._tokens_per_second)
         if best == 0 and self.steps_since_draft >= PROBE_EVERY:
             return 1
         return best

@@ -147,8 +147,6 @@ class SpecEngine:
         num_draft_tokens = (
             self.config.num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
         )
-        if seq.policy is not None:
-            seq.policy.max_k = num_draft_tokens
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         while True:
             if should_abort():
@@ -188,7 +186,7 @@ class SpecEngine:
             drafter.begin(prompt)
         policy = None
         if drafter is not None and self.config.adaptive_k:
-            policy = self._policies.setdefault(name, AdaptiveK(self.config.num_draft_tokens))
+            policy = self._policies.setdefault(name, AdaptiveK())
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))

@@ -180,9 +180,18 @@ class ServingCore:
             for j in range(n):
                 seed = None if params.seed is None else (params.seed + j) % 2**63
                 choice_params = replace(params, seed=seed)
-                choice = Choice(i * n + j, prompt_ids, choice_params, j == 0, echoes[i], fail_at_step=fail_at_step)
-                choice.drafter, choice.num_draft_tokens = drafter, num_draft_tokens
-                choices.append(choice)
+                choices.append(
+                    Choice(
+                        i * n + j,
+                        prompt_ids,
+                        choice_params,
+                        j == 0,
+                        echoes[i],
+                        fail_at_step=fail_at_step,
+                        drafter=drafter,
+                        num_draft_tokens=num_draft_tokens,
+                    )
+                )
         return choices
 
     # ---- /tokenize, /detokenize ---------------------------------------------------------------
@@ -236,7 +245,6 @@ class ServingCore:
                 last = now_
                 completion_tokens += len(output.token_ids)
                 prompt_logprobs = prompt_logprobs or output.prompt_logprobs
-                finish = None
                 for piece in self._pieces(text, output):
                     waiting.append(piece)
                     if piece.text:

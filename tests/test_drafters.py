@@ -73,18 +73,18 @@ def test_medusa_drafts_from_the_second_step_on():
 
 
 def test_adaptive_k_prefers_plain_decoding_when_drafts_are_costly_and_rejected():
-    policy = AdaptiveK(max_k=6, alpha=0.1, draft_cost=0.05, verify_cost={0: 0.03, 6: 0.04})
+    policy = AdaptiveK(alpha=0.1, draft_cost=0.05, verify_cost={0: 0.03, 6: 0.04})
     assert policy.choose(6) == 0
 
 
 def test_adaptive_k_drafts_long_when_drafts_are_cheap_and_accepted():
-    policy = AdaptiveK(max_k=6, alpha=0.9, draft_cost=0.002, verify_cost={0: 0.03, 6: 0.035})
+    policy = AdaptiveK(alpha=0.9, draft_cost=0.002, verify_cost={0: 0.03, 6: 0.035})
     assert policy.choose(6) == 6
     assert policy.choose(2) == 2  # never past what the request allows
 
 
 def test_adaptive_k_learns_acceptance_from_steps():
-    policy = AdaptiveK(max_k=4)
+    policy = AdaptiveK()
     for _ in range(50):
         policy.observe(4, 0, 0.01, 0.02)
     assert policy.alpha < 0.1
