@@ -19,7 +19,7 @@ endif
 ARGS        ?=
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -43,7 +43,10 @@ lint: install
 	$(BIN)/ruff format --check engine server tests bench
 
 bench: install
-	$(BIN)/python bench/speed.py $(ARGS)
+	$(BIN)/python bench/speed.py --update-readme $(ARGS)
+
+bench-quick: install
+	$(BIN)/python bench/speed.py --quick --name quick $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,12 +1,16 @@
-"""Target-only vs every drafter on one model: same prompts, same process, interleaved runs.
+"""specserve against Hugging Face transformers on the same model, machine and prompts.
 
-    make bench                                   # embedded SmolLM2-135M, greedy, 96 new tokens
-    make bench ARGS="--repeats 3 --drafters none,model,ngram"
+    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats (~25 min)
+    make bench-quick    # one prompt per type, one repeat, fewer configurations (~3 min)
 
-One engine serves every configuration (the drafter is chosen per request), so all share the same
-weights and caches; every run starts from an empty cache. Writes bench/results/speed.json and prints
-a markdown table: acceptance rate, mean accepted length, tokens/s and speedup vs target-only.
-Greedy outputs are checked to be identical to target-only decoding.
+Configurations, run in interleaved order so machine noise hits all alike:
+  hf:generate, hf:assisted (bfloat16 copy as assistant), hf:prompt-lookup (5 tokens), in this process;
+  serve:<drafter>[+adaptive], through a ``specserve serve`` subprocess's streaming API (SSE);
+  engine:<drafter>[+adaptive], the engine in this process, to price the HTTP layer.
+Greedy decoding throughout; every output is checked against the target-only output.
+
+Writes bench/results/<name>.json and .png and prints markdown tables; with --update-readme the
+full run also rewrites the README's benchmark section.
 """
 
 from __future__ import annotations
@@ -15,130 +19,141 @@ import argparse
 import json
 import os
 import platform
-import statistics
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from report import plot, summarise, tables, update_readme  # noqa: E402
+from runners import EngineRunner, HFRunner, Run, ServerRunner, measure_read_bandwidth  # noqa: E402
+
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Request, SpecEngine, build_engine  # noqa: E402
+from engine.engine import build_engine  # noqa: E402
 from engine.loader import eos_token_ids, load  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
 
-PROMPTS = {
-    "chat": "What are three good habits for staying healthy? Explain each briefly.",
-    "code": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
-    "summarise": (
-        "Summarise this passage in two sentences.\n\nThe printing press, developed by Johannes Gutenberg around "
-        "1440, transformed how information spread across Europe. Before it, books were copied by hand, which was "
-        "slow and expensive, so few people owned them. Movable metal type let printers produce many identical "
-        "copies quickly, lowering prices and raising literacy. Within fifty years, millions of books were in "
-        "circulation, and ideas from science, religion and politics travelled further than ever before."
-    ),
-}
+BENCH = Path(__file__).resolve().parent
+DRAFTERS = "none,model,ngram,self,medusa,staged"
 
 
-def timed_run(engine: SpecEngine, drafter: str, prompt_ids: list[int], max_tokens: int) -> dict:
-    engine.reset()  # every run prefills from scratch, so repeats are comparable
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    start = time.perf_counter()
-    first = None
-    tokens: list[int] = []
-    for output in engine.generate(Request("bench", prompt_ids, params, drafter=drafter)):
-        first = first if first is not None else time.perf_counter() - start
-        tokens += output.token_ids
-    elapsed = time.perf_counter() - start
-    stats = output.stats
-    return {
-        "tokens": tokens,
-        "tokens_per_s": len(tokens) / elapsed,
-        "ttft_s": first,
-        "acceptance_rate": stats.acceptance_rate,
-        "mean_tokens_per_forward": stats.mean_tokens_per_forward,
-        "mean_num_draft_tokens": stats.mean_num_draft_tokens,
-    }
+@dataclass(frozen=True, slots=True)
+class Config:
+    label: str  # "hf:generate", "serve:ngram+adaptive", "engine:none"
+    system: str  # hf, serve or engine
+    mode: str  # the HF mode, or the drafter
+    adaptive_k: bool = False
+
+
+def configurations(args: argparse.Namespace) -> list[Config]:
+    configs = [Config(f"hf:{mode}", "hf", mode) for mode in HFRunner.MODES]
+    adaptive = set(args.adaptive.split(","))
+    for drafter in args.drafters.split(","):
+        configs.append(Config(f"serve:{drafter}", "serve", drafter))
+        if drafter in adaptive and drafter != "none":
+            configs.append(Config(f"serve:{drafter}+adaptive", "serve", drafter, True))
+    for name in filter(None, args.in_process.split(",")):
+        drafter, _, suffix = name.partition("+")
+        configs.append(Config(f"engine:{name}", "engine", drafter, suffix == "adaptive"))
+    return configs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=None, help="model ref (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default="copy:bfloat16", help="the model drafter's draft")
-    parser.add_argument("--drafters", default="none,model,ngram,self,medusa,staged")
-    parser.add_argument("--adaptive", default="model,ngram", help="drafters also run with adaptive k")
+    parser.add_argument("--name", default="speed", help="results file stem under bench/results")
+    parser.add_argument("--quick", action="store_true", help="one prompt per type, one repeat, 64 tokens")
+    parser.add_argument("--drafters", default=DRAFTERS, help="drafters measured through the server")
+    parser.add_argument("--adaptive", default="model,ngram,self,medusa,staged", help="also run these with adaptive k")
+    parser.add_argument("--in-process", default="none,ngram+adaptive", help="also run these in this process")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "speed.json"))
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per run (default 96; quick 64)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 3; quick 1)")
+    parser.add_argument("--types", default="chat,code,summarise,long")
+    parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.max_tokens = args.max_tokens or (64 if args.quick else 96)
+    prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
+    prompts = {kind: prompts[kind][:1] if args.quick else prompts[kind] for kind in args.types.split(",")}
+    results_dir = BENCH / "results"
+    results_dir.mkdir(exist_ok=True)
 
-    def config(adaptive: bool) -> EngineConfig:
-        return EngineConfig(
-            target=args.target,
-            draft=args.draft,
-            num_draft_tokens=args.num_draft_tokens,
-            max_model_len=2048,
-            adaptive_k=adaptive,
-        )
-
-    models = load(config(False))
-    eos = eos_token_ids(models.target, models.tokenizer)
-    fixed = build_engine(config(False), models.target, models.draft, eos)
-    adaptive = build_engine(config(True), models.target, models.draft, eos)
-    modes = {name: (fixed, name) for name in args.drafters.split(",")}
-    modes.update({f"{name}+adaptive-k": (adaptive, name) for name in args.adaptive.split(",") if name})
-    results: dict[str, dict] = {}
-    for prompt_name, text in PROMPTS.items():
-        chat = [{"role": "user", "content": text}]
-        rendered = models.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        prompt_ids = models.tokenizer(rendered, add_special_tokens=False).input_ids
-        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-        for _ in range(args.repeats):
-            for mode, (engine, drafter) in modes.items():  # interleaved: machine noise hits every mode alike
-                runs[mode].append(timed_run(engine, drafter, prompt_ids, args.max_tokens))
-        baseline = runs["none"][0]
-        base_speed = statistics.median(r["tokens_per_s"] for r in runs["none"])
-        results[prompt_name] = {}
-        for mode, mode_runs in runs.items():
-            speed = statistics.median(r["tokens_per_s"] for r in mode_runs)
-            results[prompt_name][mode] = {
-                "tokens": len(mode_runs[0]["tokens"]),
-                "tokens_per_s": round(speed, 2),
-                "speedup_vs_target_only": round(speed / base_speed, 3),
-                "ttft_s": round(statistics.median(r["ttft_s"] for r in mode_runs), 4),
-                "acceptance_rate": round(mode_runs[0]["acceptance_rate"], 3),
-                "mean_tokens_per_forward": round(mode_runs[0]["mean_tokens_per_forward"], 3),
-                "mean_num_draft_tokens": round(mode_runs[0]["mean_num_draft_tokens"], 3),
-                "greedy_identical_to_target_only": mode_runs[0]["tokens"] == baseline["tokens"],
-            }
+    bandwidth = measure_read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
+    server = ServerRunner(
+        ["--draft", "copy:bfloat16", "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"],
+        results_dir / f"{args.name}-server.log",
+    )
+    try:
+        engine_config = EngineConfig(draft="copy:bfloat16", num_draft_tokens=args.num_draft_tokens, max_model_len=4096)
+        models = load(engine_config)
+        eos = eos_token_ids(models.target, models.tokenizer)
+        engine = build_engine(engine_config, models.target, models.draft, eos)
+        runners = {
+            "hf": HFRunner(models.target, models.draft, models.tokenizer.eos_token_id),
+            "engine": EngineRunner(engine),
+            "serve": server,
+        }
+        server.wait_ready()
+        configs = configurations(args)
+        runs = measure(configs, runners, prompts, models.tokenizer, args)
+    finally:
+        server.close()
+    bound_s = engine.target.weight_bytes / bandwidth
     report = {
-        "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "torch_threads": torch.get_num_threads(),
+            "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        },
         "torch": torch.__version__,
         "model": models.target_name,
-        "num_draft_tokens": args.num_draft_tokens,
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-        "results": results,
+        "weight_bytes": engine.target.weight_bytes,
+        "bound_ms_per_forward": round(bound_s * 1e3, 2),
+        "settings": {k: getattr(args, k) for k in ("num_draft_tokens", "max_tokens", "repeats", "quick")},
+        "date": time.strftime("%Y-%m-%d"),
+        **summarise(configs, runs, bound_s),
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(table(results))
-    print(f"\nwrote {args.out}")
+    out = results_dir / f"{args.name}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, results_dir / f"{args.name}.png")
+    text = tables(report)
+    print(text)
+    if args.update_readme:
+        update_readme(BENCH.parent / "README.md", text, args.name)
+    print(f"\nwrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
 
 
-def table(results: dict[str, dict]) -> str:
-    lines = [
-        "| prompt | drafter | acceptance | tokens/forward | tokens/s | vs target-only | greedy same |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for prompt_name, modes in results.items():
-        for mode, r in modes.items():
-            lines.append(
-                f"| {prompt_name} | {mode} | {r['acceptance_rate']:.2f} | {r['mean_tokens_per_forward']:.2f} | "
-                f"{r['tokens_per_s']:.1f} | {r['speedup_vs_target_only']:.2f}x | {r['greedy_identical_to_target_only']} |"
-            )
-    return "\n".join(lines)
+def measure(configs: list[Config], runners: dict, prompts: dict, tokenizer, args) -> dict[str, dict[str, list[Run]]]:
+    """runs[prompt type][config label] -> every run of that pair, prompts x repeats."""
+    runs: dict[str, dict[str, list[Run]]] = {kind: {c.label: [] for c in configs} for kind in prompts}
+    for repeat in range(args.repeats):
+        for kind, texts in prompts.items():
+            for index, text in enumerate(texts):
+                chat = [{"role": "user", "content": text}]
+                rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+                prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
+                for config in configs:  # interleaved: every configuration on this prompt, then the next
+                    run = run_one(config, runners, prompt_ids, args.max_tokens)
+                    if run.text is None:
+                        run.text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
+                    runs[kind][config.label].append(run)
+                    print(
+                        f"[{repeat + 1}/{args.repeats}] {kind}#{index} {config.label:24s} "
+                        f"{run.decode_tokens_per_s:6.1f} tok/s  ttft {run.ttft_s * 1e3:6.0f} ms",
+                        file=sys.stderr,
+                    )
+    return runs
+
+
+def run_one(config: Config, runners: dict, prompt_ids: list[int], max_tokens: int) -> Run:
+    runner = runners[config.system]
+    if config.system == "hf":
+        return runner.run(config.mode, prompt_ids, max_tokens)
+    return runner.run(config.mode, config.adaptive_k, prompt_ids, max_tokens)
 
 
 if __name__ == "__main__":

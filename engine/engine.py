@@ -33,6 +33,7 @@ class Request:
     params: SamplingParams
     num_draft_tokens: int | None = None  # None: the engine's default
     drafter: str | None = None  # None: the engine's default drafter; "none": the target alone
+    adaptive_k: bool | None = None  # None: the engine's default; True: num_draft_tokens is only the cap
     grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
     fail_at_step: int | None = None  # test hook (EngineConfig.fault_injection): raise before this step
 
@@ -185,7 +186,8 @@ class SpecEngine:
         if drafter is not None:
             drafter.begin(prompt)
         policy = None
-        if drafter is not None and self.config.adaptive_k:
+        adaptive_k = self.config.adaptive_k if request.adaptive_k is None else request.adaptive_k
+        if drafter is not None and adaptive_k:
             policy = self._policies.setdefault(name, AdaptiveK())
         seed = request.params.seed
         if seed is None:
@@ -235,8 +237,8 @@ class SpecEngine:
         k = proposal.token_ids.shape[0]
         drafted = time.perf_counter()
         # 2. The target scores the pending token(s) and all k drafts in one forward pass.
-        pending = tokens[self.target.cache.length :]
-        logits = self.target.extend(pending + proposal.token_ids.tolist(), num_logits=k + 1)  # [k+1, V]
+        pending, draft_ids = tokens[self.target.cache.length :], proposal.token_ids.tolist()
+        logits = self.target.extend(pending + draft_ids, num_logits=k + 1)  # [k+1, V]
         p = sampler.probs(logits, proposal.token_ids)  # [k+1, V]
         # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token.
         verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator)
@@ -250,7 +252,7 @@ class SpecEngine:
         seq.stats.record(k, n, record.draft_seconds, record.verify_seconds)
         if seq.policy is not None:
             seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds)
-        return _StepResult(proposal.token_ids[:n].tolist() + [verdict.next_token], logits[: n + 1], record)
+        return _StepResult(draft_ids[:n] + [verdict.next_token], logits[: n + 1], record)
 
 
 def build_engine(

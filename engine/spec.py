@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,30 +28,31 @@ def rejection_sample(
 
     At the first rejection, sample from norm(max(0, p_i - q_i)); if all k pass, sample the bonus
     token from p_k. The result is distributed exactly as sampling from p alone.
+    Everything stays on the device until one transfer of (number accepted, next token) at the end.
     """
     k = draft_tokens.shape[0]
-    if k == 0:
-        return Verdict(0, _sample(p[0], generator))
     rows = torch.arange(k, device=p.device)
-    p_x = p[rows, draft_tokens]  # [k]
-    q_x = torch.ones_like(p_x) if q is None else q[rows, draft_tokens]  # [k]
+    if q is None:
+        q = F.one_hot(draft_tokens, p.shape[-1]).to(p.dtype)  # [k, V]
+    p_x, q_x = p[rows, draft_tokens], q[rows, draft_tokens]  # [k], [k]
     u = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)  # [k]
     accepted = u * q_x < p_x  # [k]; u < p/q without dividing by q
-    num_accepted = int(accepted.long().cumprod(0).sum())
-    if num_accepted == k:
-        return Verdict(k, _sample(p[k], generator))
-    p_i = p[num_accepted]  # [V]
-    if q is None:
-        q_i = torch.zeros_like(p_i)
-        q_i[draft_tokens[num_accepted]] = 1.0
-    else:
-        q_i = q[num_accepted]
-    residual = (p_i - q_i).clamp_min(0)  # [V]
-    if float(residual.sum()) <= 0:  # p_i == q_i: a rejection has probability zero; guard rounding
-        residual = p_i
-    return Verdict(num_accepted, _sample(residual, generator))
+    num_accepted = accepted.long().cumprod(0).sum()  # [] the first rejection's position, or k
+    residual = (p[:k] - q).clamp_min(0)  # [k, V] where to resample after a rejection at row i
+    # p_i == q_i leaves no residual; a rejection there has probability zero, but guard rounding.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
+    next_from = torch.cat([residual, p[k:]])[num_accepted]  # [V]; row k is the bonus distribution p_k
+    num, token = torch.stack([num_accepted, sample_one(next_from, generator)]).tolist()
+    return Verdict(num, token)
 
 
-def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from unnormalised non-negative ``weights`` [V]."""
-    return int(torch.multinomial(weights, 1, generator=generator))
+def sample_one(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw [] from unnormalised non-negative ``weights`` [V], by inverting the cumulative sum
+    (about 20x cheaper than ``torch.multinomial`` over a 49k vocabulary on CPU). A zero-weight id
+    adds nothing to the sum, so it is never the first entry above the uniform draw; the last clamp
+    keeps a draw that rounds up to the total on the last id with weight."""
+    cumulative = weights.cumsum(0)  # [V]
+    total = cumulative[-1:]  # [1]
+    draw = torch.rand(1, generator=generator, device=weights.device, dtype=weights.dtype) * total  # [1]
+    index = torch.searchsorted(cumulative, draw, right=True)  # [1]
+    return torch.minimum(index, torch.searchsorted(cumulative, total))[0]

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import AsyncEngine
+from engine.engine import SpecEngine
 from engine.factory import LoadedEngine
 
 from .errors import EngineUnavailable, ModelNotFound, install_error_handlers
@@ -111,14 +112,21 @@ def create_app(load: Callable[[], LoadedEngine], served_model_name: str | None =
     engines: list[AsyncEngine] = []
 
     async def load_in_background(app: FastAPI) -> None:
+        holder: list[LoadedEngine] = []
+
+        def load_in_engine_thread() -> SpecEngine:
+            holder.append(load())
+            return holder[0].engine
+
+        engine = AsyncEngine(load_in_engine_thread)
+        engines.append(engine)
         try:
-            loaded = await asyncio.to_thread(load)
+            await engine.ready()
         except Exception as exc:  # nothing to serve: say why and exit so a supervisor sees it
             log.exception("loading the model failed")
             print(f"specserve: {exc}", file=sys.stderr, flush=True)
             os._exit(2)
-        engine = AsyncEngine(loaded.engine)
-        engines.append(engine)
+        loaded = holder[0]
         app.state.metrics.queue_depth.set_function(lambda: engine.queue_depth)
         name = served_model_name or loaded.model_name
         app.state.serving = OpenAIServing(engine, loaded.tokenizer, name, app.state.metrics)

@@ -93,6 +93,7 @@ class Choice:
     fail_at_step: int | None = None  # the fault-injection test hook, when the server enables it
     drafter: str | None = None  # None: the server's default
     num_draft_tokens: int | None = None
+    adaptive_k: bool | None = None  # None: the server's default
 
 
 class ServingCore:
@@ -148,18 +149,18 @@ class ServingCore:
         except SamplingError as exc:
             raise BadRequest(str(exc), exc.param) from exc
 
-    def _speculation(self, body: _Request) -> tuple[str | None, int | None]:
-        """The request's own drafter and k (extra body field ``speculative``), checked up front."""
+    def _speculation(self, body: _Request) -> tuple[str | None, int | None, bool | None]:
+        """The request's own drafter, k and adaptive k (extra body field ``speculative``), checked up front."""
         options = body.speculative
         if options is None:
-            return None, None
+            return None, None, None
         if options.drafter is not None and options.drafter != "none":
             try:
                 self.engine.engine.drafter(options.drafter)
             except ConfigError as exc:
                 raise BadRequest(str(exc), "speculative.drafter") from exc
         drafter = "none" if options.drafter == "none" else options.drafter
-        return drafter, options.num_draft_tokens
+        return drafter, options.num_draft_tokens, options.adaptive_k
 
     def _check_fits(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
         try:
@@ -172,7 +173,7 @@ class ServingCore:
     ) -> list[Choice]:
         """Prompt i's j-th choice gets index i * n + j; a seeded request gives each choice seed + j."""
         n, choices = body.n, []
-        drafter, num_draft_tokens = self._speculation(body)
+        drafter, num_draft_tokens, adaptive_k = self._speculation(body)
         fail_at_step = None
         if self.engine.engine.config.fault_injection and body.model_extra:
             fail_at_step = body.model_extra.get("fault_at_step")
@@ -190,6 +191,7 @@ class ServingCore:
                         fail_at_step=fail_at_step,
                         drafter=drafter,
                         num_draft_tokens=num_draft_tokens,
+                        adaptive_k=adaptive_k,
                     )
                 )
         return choices
@@ -234,6 +236,7 @@ class ServingCore:
             params,
             num_draft_tokens=choice.num_draft_tokens,
             drafter=choice.drafter,
+            adaptive_k=choice.adaptive_k,
             grammar=choice.grammar,
             fail_at_step=choice.fail_at_step,
         )

@@ -22,6 +22,7 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     drafter: str | None = None
     num_draft_tokens: int | None = Field(default=None, ge=0, le=64)
+    adaptive_k: bool | None = None  # None: the server's --adaptive-k; true: num_draft_tokens is the cap
 
 
 class _Request(BaseModel):

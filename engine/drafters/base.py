@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..config import ConfigError
+from ..spec import sample_one
 
 if TYPE_CHECKING:
     from ..config import EngineConfig  # noqa: F401
@@ -62,7 +63,7 @@ def sample_chain(
         q = sampler.probs(logits, torch.tensor(drafted, dtype=torch.long, device=logits.device))  # [1, V]
         if min_confidence and float(q[0].max()) < min_confidence:
             break
-        drafted.append(int(torch.multinomial(q[0], 1, generator=sampler.generator)))
+        drafted.append(int(sample_one(q[0], sampler.generator)))
         rows.append(q[0])
         if len(drafted) < num_draft_tokens:
             logits = advance(drafted[-1])

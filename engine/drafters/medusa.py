@@ -21,6 +21,7 @@ from torch import nn
 from ..config import ConfigError
 from ..model import CausalLM
 from ..sampling import RequestSampler
+from ..spec import sample_one
 from .base import DraftResources, Proposal, register
 
 FORMAT = "specserve-medusa/1"
@@ -84,13 +85,13 @@ class MedusaDrafter:
             return Proposal.empty(self.target.device)
         count = min(num_draft_tokens, len(self.heads.heads))
         features = self.heads(self._hidden)[:count]  # [k, E]
-        logits = self.target.lm_head(features)  # [k, V]
+        logits = self.target.logits(features)  # [k, V]
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(count):
             appended = torch.tensor(drafted, dtype=torch.long, device=logits.device)
             q = sampler.probs(logits[i : i + 1], appended)  # [1, V]
-            drafted.append(int(torch.multinomial(q[0], 1, generator=sampler.generator)))
+            drafted.append(int(sample_one(q[0], sampler.generator)))
             rows.append(q[0])
         return Proposal(torch.tensor(drafted, dtype=torch.long, device=logits.device), torch.stack(rows))
 

@@ -1,0 +1,197 @@
+"""Turn benchmark runs into the JSON summary, markdown tables, a plot and the README section."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+TARGET_ONLY = "serve:none"
+HF_GENERATE = "hf:generate"
+GOALS = {"target_only_vs_hf_generate": 1.5, "best_vs_best_hf": 1.3, "best_vs_target_only": 2.0}
+GOAL_TWO_X_TYPES = ("code", "summarise")  # where the best drafter must double target-only decoding
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.fmean(values), 3) if values else None
+
+
+def _metrics(runs: list, reference: list | None, bound_s: float) -> dict:
+    gaps = [gap for run in runs for gap in run.inter_token_s]
+    fractions = [
+        run.target_forwards * bound_s / run.decode_seconds
+        for run in runs
+        if run.target_forwards and run.decode_seconds > 0
+    ]
+    rss = [run.peak_rss_mb for run in runs if run.peak_rss_mb is not None]
+    return {
+        "runs": len(runs),
+        "tokens": statistics.median(run.num_tokens for run in runs),
+        "decode_tokens_per_s": round(statistics.median(run.decode_tokens_per_s for run in runs), 2),
+        "ttft_ms": round(statistics.median(run.ttft_s for run in runs) * 1e3, 1),
+        "itl_p50_ms": round(_percentile(gaps, 0.5) * 1e3, 2) if gaps else None,
+        "itl_p99_ms": round(_percentile(gaps, 0.99) * 1e3, 2) if gaps else None,
+        "acceptance_rate": _mean([run.acceptance_rate for run in runs]),
+        "mean_tokens_per_forward": _mean([run.tokens_per_forward for run in runs]),
+        "mean_num_draft_tokens": _mean([run.num_draft_tokens for run in runs]),
+        "bandwidth_bound_fraction": round(statistics.median(fractions), 3) if fractions else None,
+        "peak_rss_mb": round(max(rss)) if rss else None,
+        "greedy_identical": None
+        if reference is None
+        else all(run.text == ref.text for run, ref in zip(runs, reference, strict=True)),
+    }
+
+
+def summarise(configs: list, runs: dict[str, dict[str, list]], bound_s: float) -> dict:
+    results: dict[str, dict[str, dict]] = {}
+    for kind, by_label in runs.items():
+        reference = by_label.get(TARGET_ONLY) or by_label.get(HF_GENERATE)
+        results[kind] = {label: _metrics(kind_runs, reference, bound_s) for label, kind_runs in by_label.items()}
+        base = results[kind].get(HF_GENERATE, {}).get("decode_tokens_per_s")
+        own = results[kind].get(TARGET_ONLY, {}).get("decode_tokens_per_s")
+        for metrics in results[kind].values():
+            speed = metrics["decode_tokens_per_s"]
+            metrics["speedup_vs_hf_generate"] = round(speed / base, 3) if base else None
+            metrics["speedup_vs_target_only"] = round(speed / own, 3) if own else None
+    return {"results": results, "targets": _targets(results), "sse_vs_in_process": _sse_ratios(results)}
+
+
+def _speed(metrics: dict, label: str) -> float:
+    return metrics[label]["decode_tokens_per_s"]
+
+
+def _targets(results: dict[str, dict[str, dict]]) -> dict:
+    targets = {}
+    for kind, metrics in results.items():
+        hf = [label for label in metrics if label.startswith("hf:")]
+        drafted = [label for label in metrics if label.startswith("serve:") and label != TARGET_ONLY]
+        if TARGET_ONLY not in metrics or not hf or not drafted:
+            continue
+        best_hf = max(hf, key=lambda label: _speed(metrics, label))
+        best = max(drafted, key=lambda label: _speed(metrics, label))
+        own = _speed(metrics, TARGET_ONLY)
+        entry = {
+            "target_only_vs_hf_generate": round(own / _speed(metrics, HF_GENERATE), 3),
+            "best_hf": best_hf,
+            "best": best,
+            "best_vs_best_hf": round(_speed(metrics, best) / _speed(metrics, best_hf), 3),
+            "best_vs_target_only": round(_speed(metrics, best) / own, 3),
+            "best_greedy_identical": metrics[best]["greedy_identical"],
+        }
+        goals = (
+            dict(GOALS) if kind in GOAL_TWO_X_TYPES else {k: v for k, v in GOALS.items() if k != "best_vs_target_only"}
+        )
+        entry["met"] = {name: entry[name] >= goal for name, goal in goals.items()}
+        targets[kind] = entry
+    return targets
+
+
+def _sse_ratios(results: dict[str, dict[str, dict]]) -> dict:
+    """Streaming tokens/s through the server over the same configuration in-process."""
+    ratios: dict[str, dict[str, float]] = {}
+    for kind, metrics in results.items():
+        for label in metrics:
+            if label.startswith("engine:") and f"serve:{label[7:]}" in metrics:
+                served = _speed(metrics, f"serve:{label[7:]}")
+                ratios.setdefault(label[7:], {})[kind] = round(served / _speed(metrics, label), 3)
+    return ratios
+
+
+def tables(report: dict) -> str:
+    results, kinds = report["results"], list(report["results"])
+    labels = list(next(iter(results.values())))
+    lines = [
+        f"Decode tokens/s (and speedup over HF `generate`), {report['model']}, greedy, {report['settings']['max_tokens']}"
+        f" new tokens, medians of {report['settings']['repeats']} repeats; read bandwidth "
+        f"{report['machine']['read_bandwidth_gb_s']} GB/s, so one float32 forward takes at least "
+        f"{report['bound_ms_per_forward']} ms.",
+        "",
+        "| configuration | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
+    for label in labels:
+        cells = []
+        for kind in kinds:
+            m = results[kind][label]
+            cells.append(f"{m['decode_tokens_per_s']:.1f} ({m['speedup_vs_hf_generate']:.2f}x)")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| prompt type | target-only / HF generate | best drafter | best / best HF mode | best / target-only |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, t in report["targets"].items():
+        lines.append(
+            f"| {kind} | {t['target_only_vs_hf_generate']:.2f}x | {t['best']} | {t['best_vs_best_hf']:.2f}x "
+            f"(vs {t['best_hf']}) | {t['best_vs_target_only']:.2f}x |"
+        )
+    lines += [
+        "",
+        "| prompt type | configuration | TTFT ms | ITL p50 / p99 ms | acceptance | tokens/forward | bound fraction | peak RSS MB | greedy same |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind in kinds:
+        for label in labels:
+            m = results[kind][label]
+            lines.append(
+                f"| {kind} | {label} | {m['ttft_ms']:.0f} | {_fmt(m['itl_p50_ms'])} / {_fmt(m['itl_p99_ms'])} | "
+                f"{_fmt(m['acceptance_rate'])} | {_fmt(m['mean_tokens_per_forward'])} | "
+                f"{_fmt(m['bandwidth_bound_fraction'])} | {_fmt(m['peak_rss_mb'], 0)} | {m['greedy_identical']} |"
+            )
+    if report["sse_vs_in_process"]:
+        lines += ["", "Streaming through the server vs the same engine in-process (tokens/s ratio):", ""]
+        for name, by_kind in report["sse_vs_in_process"].items():
+            lines.append(f"- {name}: " + ", ".join(f"{kind} {ratio:.3f}" for kind, ratio in by_kind.items()))
+    return "\n".join(lines)
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, kinds = report["results"], list(report["results"])
+    labels = list(next(iter(results.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.45 * len(labels) * len(kinds) / 2 + 2), sharey=True)
+    height = 0.8 / len(kinds)
+    for axis, key, title in (
+        (axes[0], "decode_tokens_per_s", "decode tokens/s"),
+        (axes[1], "speedup_vs_hf_generate", "speedup over HF generate"),
+    ):
+        for i, kind in enumerate(kinds):
+            values = [results[kind][label][key] or 0 for label in labels]
+            axis.barh([y + i * height for y in range(len(labels))], values, height, label=kind)
+        axis.set_title(title)
+        axis.grid(axis="x", alpha=0.3)
+    axes[1].axvline(1.0, color="black", linewidth=0.8)
+    axes[0].set_yticks([y + 0.4 - height / 2 for y in range(len(labels))], labels)
+    axes[0].invert_yaxis()
+    axes[0].legend(title="prompt type")
+    fig.suptitle(f"{report['model']} on {report['machine']['torch_threads']} CPU threads, greedy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def update_readme(readme: Path, text: str, name: str) -> None:
+    """Replace what lies between the README's benchmark markers with the new tables."""
+    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    content = readme.read_text()
+    if start not in content or end not in content:
+        raise SystemExit(f"{readme} lacks the {start} ... {end} markers")
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    body = f"{start}\n![benchmark](bench/results/{name}.png)\n\n{text}\n{end}"
+    readme.write_text(head + body + tail)

@@ -1,0 +1,248 @@
+"""The three ways the benchmark generates: Hugging Face ``generate``, the engine in-process, and the
+HTTP server over SSE. Each returns a ``Run`` with per-token arrival times, so all are measured alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from engine.engine import Request, SpecEngine
+from engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class Run:
+    started: float
+    token_times: list[float] = field(default_factory=list)  # arrival time of each generated token
+    token_ids: list[int] | None = None
+    text: str | None = None
+    acceptance_rate: float | None = None
+    tokens_per_forward: float | None = None  # mean accepted length + 1 (the target's own token)
+    target_forwards: int | None = None  # decode-time forwards of the target, prefill excluded
+    num_draft_tokens: float | None = None
+    cached_tokens: int = 0
+    peak_rss_mb: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] - self.started
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.token_times[-1] - self.token_times[0]
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first over the time since the first: decoding speed, prefill excluded."""
+        return (self.num_tokens - 1) / self.decode_seconds if self.num_tokens > 1 else 0.0
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+class PeakRSS:
+    """A process's peak resident memory, reset before each run (Linux: /proc/PID/clear_refs)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def reset(self) -> None:
+        try:
+            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+        except OSError:
+            pass  # not Linux, or not allowed: the figure is then the process's lifetime peak
+
+    def read_mb(self) -> float | None:
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return None
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return None
+
+
+def measure_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
+    """Bytes per second reading one large float32 tensor (median of repeats): the decode speed limit."""
+    data = torch.ones(megabytes * 2**20 // 4)
+    data.sum()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        seconds.append(time.perf_counter() - start)
+    return data.nbytes / sorted(seconds)[len(seconds) // 2]
+
+
+class _Arrivals(BaseStreamer):
+    """A ``generate`` streamer that timestamps every new token (the first ``put`` is the prompt)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.token_ids, self._prompt_seen = run, [], False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        now = time.perf_counter()
+        ids = value.reshape(-1).tolist()
+        self.token_ids += ids
+        self.run.token_times += [now] * len(ids)
+
+    def end(self) -> None:
+        pass
+
+
+class HFRunner:
+    """Hugging Face ``generate`` in its three modes, on the very models the engine wraps."""
+
+    MODES = ("generate", "assisted", "prompt-lookup")
+
+    def __init__(self, target: torch.nn.Module, assistant: torch.nn.Module | None, eos_token_id: int) -> None:
+        self.target, self.assistant, self.eos_token_id = target, assistant, eos_token_id
+        self.rss = PeakRSS(os.getpid())
+
+    def run(self, mode: str, prompt_ids: list[int], max_tokens: int) -> Run:
+        extra: dict = {}
+        if mode == "assisted":
+            extra["assistant_model"] = self.assistant
+        elif mode == "prompt-lookup":
+            extra["prompt_lookup_num_tokens"] = 5
+        input_ids = torch.tensor([prompt_ids], device=self.target.device)
+        self.rss.reset()
+        run = Run(time.perf_counter())
+        streamer = _Arrivals(run)
+        with torch.inference_mode():
+            self.target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self.eos_token_id,
+                streamer=streamer,
+                **extra,
+            )
+        run.token_ids = streamer.token_ids[:max_tokens]
+        run.peak_rss_mb = self.rss.read_mb()
+        return run
+
+
+class EngineRunner:
+    """The engine in this process, from an empty cache each run (no prefix reuse)."""
+
+    def __init__(self, engine: SpecEngine) -> None:
+        self.engine = engine
+        self.rss = PeakRSS(os.getpid())
+
+    def run(self, drafter: str, adaptive_k: bool, prompt_ids: list[int], max_tokens: int) -> Run:
+        self.engine.reset()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        request = Request("bench", prompt_ids, params, drafter=drafter, adaptive_k=adaptive_k)
+        self.rss.reset()
+        run = Run(time.perf_counter())
+        run.token_ids = []
+        for output in self.engine.generate(request):
+            now = time.perf_counter()
+            run.token_ids += output.token_ids
+            run.token_times += [now] * len(output.token_ids)
+        stats = output.stats
+        _take_stats(run, stats.acceptance_rate, stats.mean_tokens_per_forward, stats.target_forwards)
+        run.num_draft_tokens = stats.mean_num_draft_tokens
+        run.peak_rss_mb = self.rss.read_mb()
+        return run
+
+
+def _take_stats(run: Run, acceptance: float, per_forward: float, forwards: int) -> None:
+    run.acceptance_rate, run.tokens_per_forward = acceptance, per_forward
+    run.target_forwards = max(forwards - 1, 0)  # the first forward is the prefill, before the first token
+
+
+class ServerRunner:
+    """``specserve serve`` in a subprocess, measured through its streaming completions API."""
+
+    def __init__(self, args: list[str], log_path: Path, startup_timeout: float = 300.0) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args]
+        self._log = log_path.open("w")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.rss = PeakRSS(self.process.pid)
+        self.client = httpx.Client(base_url=self.base, timeout=600)
+        self._startup_timeout = startup_timeout
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self._startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}; see {self._log.name}")
+            try:
+                if self.client.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("the server did not become healthy in time")
+
+    def run(self, drafter: str, adaptive_k: bool, prompt_ids: list[int], max_tokens: int) -> Run:
+        body = {
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "speculative": {"drafter": drafter, "adaptive_k": adaptive_k},
+        }
+        self.rss.reset()
+        run = Run(time.perf_counter())
+        pieces: list[str] = []
+        usage = None
+        with self.client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    raise RuntimeError(f"server error: {event['error']}")
+                if event.get("choices"):
+                    run.token_times.append(time.perf_counter())  # one token per chunk
+                    pieces.append(event["choices"][0]["text"])
+                usage = event.get("usage") or usage
+        run.text = "".join(pieces)
+        if usage is not None:
+            spec = usage["speculative"]
+            _take_stats(run, spec["acceptance_rate"], spec["mean_tokens_per_forward"], spec["target_forwards"])
+            run.num_draft_tokens = spec["mean_num_draft_tokens"]
+            run.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        run.peak_rss_mb = self.rss.read_mb()
+        return run
+
+    def close(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
