@@ -19,7 +19,7 @@ endif
 ARGS        ?=
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install serve test lint bench bench-quick clean
+.PHONY: install serve test soak lint bench bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest $(ARGS)
+
+# The reliability tests at full length: 10k fuzz cases per endpoint, 5000 sequential requests.
+soak: install
+	SPECSERVE_FUZZ_EXAMPLES=10000 SPECSERVE_SOAK_REQUESTS=5000 $(BIN)/python -m pytest tests/test_production.py tests/test_fuzz.py $(ARGS)
 
 lint: install
 	$(BIN)/ruff check engine server tests bench

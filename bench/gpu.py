@@ -36,8 +36,12 @@ SHAPES = {
     ),
 }
 SMOKE_SHAPES = {
-    "target": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-    "draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "target": dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "draft": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 
 
@@ -124,7 +128,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         device, dtype, shapes, vocab = torch.device("cpu"), torch.float32, SMOKE_SHAPES, 1000
-        args.context, args.new_tokens, args.repeats = min(args.context, 64), min(args.new_tokens, 32), min(args.repeats, 3)
+        args.context, args.new_tokens, args.repeats = (
+            min(args.context, 64),
+            min(args.new_tokens, 32),
+            min(args.repeats, 3),
+        )
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --smoke on CPU")

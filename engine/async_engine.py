@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -29,9 +30,18 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     aborted: threading.Event = field(default_factory=threading.Event)
+    aborted_at: float | None = None  # time.monotonic() of the abort, to measure how fast the engine let go
+
+    def abort(self) -> None:
+        if not self.aborted.is_set():
+            self.aborted_at = time.monotonic()
+            self.aborted.set()
 
     def send(self, item: StepOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+        except RuntimeError:  # the client's event loop is gone (shutdown): nobody is listening
+            pass
 
 
 class AsyncEngine:
@@ -39,11 +49,19 @@ class AsyncEngine:
     the one that first touched the weights and the only one that ever starts CPU thread teams
     (measured: a model loaded in one thread and run in another decodes about 15% slower on CPU)."""
 
-    def __init__(self, load: Callable[[], SpecEngine]) -> None:
+    def __init__(
+        self,
+        load: Callable[[], SpecEngine],
+        on_abort: Callable[[float], None] = lambda seconds: None,
+        on_death: Callable[[BaseException], None] = lambda exc: None,
+    ) -> None:
         self.engine: SpecEngine | None = None
+        self._on_abort, self._on_death = on_abort, on_death  # called from the engine thread
         self._loaded: concurrent.futures.Future[SpecEngine] = concurrent.futures.Future()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._jobs: dict[str, _Job] = {}
+        self._running: _Job | None = None
+        self._dead = False
         self._thread = threading.Thread(target=self._main, args=(load,), name="specserve-engine", daemon=True)
         self._thread.start()
 
@@ -53,7 +71,12 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._dead
+
+    @property
+    def running(self) -> int:
+        """Requests on the engine now: 0 or 1."""
+        return int(self._running is not None)
 
     @property
     def queue_depth(self) -> int:
@@ -66,6 +89,9 @@ class AsyncEngine:
         job = _Job(request, asyncio.get_running_loop())
         self._jobs[request.request_id] = job
         self._queue.put(job)
+        if self._dead:  # it died between the check above and the put: nobody will take the job
+            self._jobs.pop(request.request_id, None)
+            raise EngineDead("the engine thread is not running")
         finished = False
         try:
             while not finished:
@@ -76,17 +102,17 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                job.aborted.set()
+                job.abort()
             self._jobs.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> None:
         job = self._jobs.get(request_id)
         if job is not None:
-            job.aborted.set()
+            job.abort()
 
     def shutdown(self, timeout: float | None = None) -> None:
         for job in list(self._jobs.values()):
-            job.aborted.set()
+            job.abort()
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -97,10 +123,21 @@ class AsyncEngine:
             self._loaded.set_exception(exc)
             return
         self._loaded.set_result(self.engine)
-        self._run()
+        try:
+            self._run()
+        except BaseException as exc:  # the loop itself died: fail everyone now, let the process go
+            log.critical("the engine thread died: %r", exc)
+            self._dead = True
+            self._fail_all(EngineDead(f"the engine thread died: {type(exc).__name__}"))
+            self._on_death(exc)
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            if job.aborted.is_set():  # its client left while it waited
+                job.send(StepOutput([], "abort"))
+                self._report_abort(job)
+                continue
+            self._running = job
             try:
                 for output in self.engine.generate(job.request, job.aborted.is_set):
                     job.send(output)
@@ -108,3 +145,20 @@ class AsyncEngine:
                 log.exception("request %s failed", job.request.request_id)
                 self.engine.reset()
                 job.send(exc)
+            self._running = None  # not in a finally: if the loop dies, _fail_all still finds this job
+            self._report_abort(job)
+
+    def _report_abort(self, job: _Job) -> None:
+        if job.aborted_at is not None:
+            self._on_abort(time.monotonic() - job.aborted_at)
+
+    def _fail_all(self, error: EngineDead) -> None:
+        if self._running is not None:
+            self._running.send(error)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.send(error)

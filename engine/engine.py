@@ -23,7 +23,26 @@ class PromptTooLong(ValueError):
 
 
 class InjectedFault(RuntimeError):
-    """Raised by the fault-injection test hook."""
+    """Raised by the fault-injection test hook inside the target's forward pass."""
+
+
+class EngineKilled(BaseException):
+    """The fault-injection hook's way to end the engine thread: it escapes per-request error handling."""
+
+
+def _raise_fault(logits: torch.Tensor) -> torch.Tensor:
+    raise InjectedFault("injected fault in the target's forward pass")
+
+
+def _kill_engine(logits: torch.Tensor) -> torch.Tensor:
+    raise EngineKilled("injected engine death")
+
+
+FAULTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "raise": _raise_fault,
+    "nan": lambda logits: torch.full_like(logits, float("nan")),
+    "kill": _kill_engine,
+}
 
 
 @dataclass(slots=True)
@@ -35,7 +54,8 @@ class Request:
     drafter: str | None = None  # None: the engine's default drafter; "none": the target alone
     adaptive_k: bool | None = None  # None: the engine's default; True: num_draft_tokens is only the cap
     grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
-    fail_at_step: int | None = None  # test hook (EngineConfig.fault_injection): raise before this step
+    fail_at_step: int | None = None  # test hook (EngineConfig.fault_injection): a fault in this step's forward
+    fault_kind: str = "raise"  # which of FAULTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +173,8 @@ class SpecEngine:
             if should_abort():
                 yield StepOutput([], "abort", seq.prompt_len, cached, replace(seq.stats))
                 return
-            if request.fail_at_step is not None and seq.stats.target_forwards >= request.fail_at_step:
-                raise InjectedFault(f"injected fault at step {request.fail_at_step}")
+            if request.fail_at_step is not None and seq.stats.target_forwards == request.fail_at_step:
+                self.target.fault = FAULTS[request.fault_kind]
             limit = self._limit(seq, num_draft_tokens)
             result = self.step(seq, seq.policy.choose(limit) if seq.policy is not None else limit)
             new, finish = result.token_ids, None
@@ -239,7 +259,8 @@ class SpecEngine:
         # 2. The target scores the pending token(s) and all k drafts in one forward pass.
         pending, draft_ids = tokens[self.target.cache.length :], proposal.token_ids.tolist()
         logits = self.target.extend(pending + draft_ids, num_logits=k + 1)  # [k+1, V]
-        p = sampler.probs(logits, proposal.token_ids)  # [k+1, V]
+        # NaN or inf anywhere in the logits poisons all of p, which the sampler then refuses (no extra sync)
+        p = sampler.probs(logits, proposal.token_ids) + logits.sum() * 0  # [k+1, V]
         # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token.
         verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator)
         # 4. Both caches roll back to the accepted length.

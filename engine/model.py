@@ -7,7 +7,7 @@ Keys and values go into a preallocated ``KVCache``; attention reads only the liv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,7 @@ class CausalLM:
         self.scaling = attn.scaling
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_len = max_len
+        self.fault: Callable[[torch.Tensor], torch.Tensor] | None = None  # test hook: applied once to the next logits
         self.last_hidden: torch.Tensor | None = None  # [N, E] normalised final hidden states of the last extend
         self._last_hidden_end = 0  # the position after the last row of last_hidden
         self.cache = KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
@@ -75,7 +76,11 @@ class CausalLM:
         self.cache.token_ids.extend(token_ids)
         self.last_hidden = self.norm(hidden[-num_logits:])  # [N, E] normalised, for drafters reading features
         self._last_hidden_end = start + len(token_ids)
-        return self.logits(self.last_hidden)  # [N, V]
+        logits = self.logits(self.last_hidden)  # [N, V]
+        if self.fault is not None:
+            fault, self.fault = self.fault, None
+            logits = fault(logits)
+        return logits
 
     def hidden_at(self, position: int) -> torch.Tensor | None:
         """The normalised final hidden state [E] at ``position`` from the last extend, if it computed one."""

@@ -26,6 +26,9 @@ class SamplingError(ValueError):
         self.param = param
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -56,7 +59,8 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            # float32 logits cannot be divided by less (a tiny positive value rounds to 0 and gives inf)
+            (0.01 <= self.repetition_penalty <= 100.0, "repetition_penalty", "must be between 0.01 and 100"),
             (self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in a signed 64-bit integer"),
         ]
         for ok, param, why in checks:
@@ -72,7 +76,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, dividing float32 logits by the temperature overflows; it is argmax in all but name
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def uses_history(self) -> bool:
@@ -176,5 +181,7 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose mass reaches top_p. probs [T, V]."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # [T, V]
     mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [T, V]
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    drop = mass_before >= top_p  # [T, V]
+    drop[:, 0] = False  # the most likely token always stays (a tiny top_p rounds to 0 in float32)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

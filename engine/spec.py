@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 
 
+class NonFiniteProbabilities(ValueError):
+    """The target's distribution holds NaN or inf (or no mass): nothing can be sampled from it."""
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     num_accepted: int  # how many draft tokens were kept, 0..k
@@ -42,7 +46,11 @@ def rejection_sample(
     # p_i == q_i leaves no residual; a rejection there has probability zero, but guard rounding.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
     next_from = torch.cat([residual, p[k:]])[num_accepted]  # [V]; row k is the bonus distribution p_k
-    num, token = torch.stack([num_accepted, sample_one(next_from, generator)]).tolist()
+    total = next_from.sum()  # []
+    usable = torch.isfinite(total) & (total > 0)  # NaN anywhere in the row poisons the sum
+    num, token, ok = torch.stack([num_accepted, sample_one(next_from, generator), usable.long()]).tolist()
+    if not ok:
+        raise NonFiniteProbabilities("the target's probabilities are not finite (NaN or inf in the logits)")
     return Verdict(num, token)
 
 
@@ -55,4 +63,5 @@ def sample_one(weights: torch.Tensor, generator: torch.Generator | None) -> torc
     total = cumulative[-1:]  # [1]
     draw = torch.rand(1, generator=generator, device=weights.device, dtype=weights.dtype) * total  # [1]
     index = torch.searchsorted(cumulative, draw, right=True)  # [1]
-    return torch.minimum(index, torch.searchsorted(cumulative, total))[0]
+    last = torch.searchsorted(cumulative, total).clamp_max(weights.shape[0] - 1)  # [1]; NaN weights: stay in range
+    return torch.minimum(index, last)[0]

@@ -9,21 +9,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette.sse import AppStatus
 
 from engine.async_engine import AsyncEngine
 from engine.engine import SpecEngine
 from engine.factory import LoadedEngine
 
 from .errors import EngineUnavailable, ModelNotFound, install_error_handlers
+from .guard import Guard, GuardState
 from .metrics import Metrics
 from .protocol import (
+    GENERATION_RESPONSES,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -37,10 +44,12 @@ from .protocol import (
     now,
 )
 from .serving import OpenAIServing
+from .settings import ServeSettings
 from .streaming import sse_response
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+T = TypeVar("T")
 
 
 def _serving(request: Request) -> OpenAIServing:
@@ -55,6 +64,8 @@ async def health(request: Request) -> JSONResponse:
     serving = request.app.state.serving
     if serving is None:
         return JSONResponse({"status": "loading"}, status_code=503)
+    if request.app.state.guard.draining:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
     alive = serving.engine.alive
     return JSONResponse({"status": "ok" if alive else "engine dead"}, status_code=200 if alive else 503)
 
@@ -81,20 +92,37 @@ async def model(model_id: str, request: Request) -> ModelCard:
     return card
 
 
-@router.post("/v1/completions", response_model=CompletionResponse)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
     serving = _serving(request)
     if body.stream:
         return sse_response(await serving.completion_stream(body))
-    return await serving.completion(body)
+    return await _unless_disconnected(request, serving.completion(body))
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     serving = _serving(request)
     if body.stream:
         return sse_response(await serving.chat_stream(body))
-    return await serving.chat(body)
+    return await _unless_disconnected(request, serving.chat(body))
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (which aborts its engine request) if the client goes away.
+    Streams need no such watch: the SSE response stops iterating when the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)
@@ -107,9 +135,16 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     return _serving(request).detokenize(body)
 
 
-def create_app(load: Callable[[], LoadedEngine], served_model_name: str | None = None) -> FastAPI:
-    """``load`` builds the engine; it runs in a worker thread once the server is up."""
+def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None = None) -> FastAPI:
+    """``load`` builds the engine; it runs in the engine thread once the server is up."""
+    settings = settings or ServeSettings()
     engines: list[AsyncEngine] = []
+
+    def on_death(exc: BaseException) -> None:
+        # Runs in the dying engine thread: everyone waiting has been failed; /health says 503.
+        # Ask the server to stop like SIGTERM would; it then exits non-zero for a supervisor to restart it.
+        app.state.exit_code = 3
+        os.kill(os.getpid(), signal.SIGTERM)
 
     async def load_in_background(app: FastAPI) -> None:
         holder: list[LoadedEngine] = []
@@ -118,7 +153,7 @@ def create_app(load: Callable[[], LoadedEngine], served_model_name: str | None =
             holder.append(load())
             return holder[0].engine
 
-        engine = AsyncEngine(load_in_engine_thread)
+        engine = AsyncEngine(load_in_engine_thread, app.state.metrics.abort_latency.observe, on_death)
         engines.append(engine)
         try:
             await engine.ready()
@@ -128,8 +163,11 @@ def create_app(load: Callable[[], LoadedEngine], served_model_name: str | None =
             os._exit(2)
         loaded = holder[0]
         app.state.metrics.queue_depth.set_function(lambda: engine.queue_depth)
-        name = served_model_name or loaded.model_name
-        app.state.serving = OpenAIServing(engine, loaded.tokenizer, name, app.state.metrics)
+        app.state.metrics.running.set_function(lambda: engine.running)
+        name = settings.served_model_name or loaded.model_name
+        app.state.serving = OpenAIServing(
+            engine, loaded.tokenizer, name, app.state.metrics, request_timeout=settings.request_timeout
+        )
         log.info("ready: serving %s", name)
 
     @asynccontextmanager
@@ -142,8 +180,35 @@ def create_app(load: Callable[[], LoadedEngine], served_model_name: str | None =
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.serving = None
+    app.state.exit_code = 0
     app.state.metrics = Metrics(queue_depth=lambda: 0)
     app.state.started = now()
+    app.state.guard = GuardState(settings.api_key, settings.max_request_bytes, settings.max_queue)
     install_error_handlers(app)
     app.include_router(router)
+    app.add_middleware(Guard, state=app.state.guard, metrics=app.state.metrics)
+    if settings.cors_origins:  # outermost, so refusals carry CORS headers too
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     return app
+
+
+class GracefulServer(uvicorn.Server):
+    """On SIGTERM or Ctrl-C, new requests get 503 at once; in-flight ones get the grace period
+    (``timeout_graceful_shutdown``), after which uvicorn cancels them, which aborts them in the engine."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        # sse-starlette would end every stream at the signal; let them finish within the grace period.
+        AppStatus.disable_automatic_graceful_drain()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.config.app.state.guard.draining = True
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises caught signals once it has stopped, which would end the process "killed
+        # by SIGTERM"; a shutdown that was asked for and went well exits 0 instead.
+        self._captured_signals = [captured for captured in self._captured_signals if captured != signal.SIGTERM]

@@ -40,7 +40,16 @@ def _parser() -> argparse.ArgumentParser:
         "--medusa-heads", help="Medusa head checkpoint folder (default: the heads shipped for the target)"
     )
     serve.add_argument("--stages", help="the staged drafter's chain, cheapest first (default ngram,model)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="prompts are logged at debug only"
+    )
+    prod = serve.add_argument_group("production")
+    prod.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every API route (or SPECSERVE_API_KEY)")
+    prod.add_argument("--max-queue", type=int, help="generation requests allowed to wait; past it 429 (default 64)")
+    prod.add_argument("--request-timeout", type=float, help="seconds per request, waiting included (default 600)")
+    prod.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 4 MiB)")
+    prod.add_argument("--cors-allow-origins", help="comma-separated origins allowed by CORS (default: CORS off)")
+    prod.add_argument("--shutdown-timeout", type=float, help="on SIGTERM, seconds to let requests finish (default 10)")
     medusa = commands.add_parser("train-medusa", help="train Medusa heads for a target on CPU")
     medusa.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
     medusa.add_argument("--out", default=None, help="checkpoint folder (default: the shipped heads' folder)")
@@ -106,7 +115,7 @@ def serve(settings: ServeSettings) -> None:
 
     from engine.factory import load_engine
 
-    from .app import create_app
+    from .app import GracefulServer, create_app
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at serving time
     config = settings.engine_config()
@@ -117,8 +126,19 @@ def serve(settings: ServeSettings) -> None:
         config.drafter,
         config.num_draft_tokens,
     )
-    app = create_app(lambda: load_engine(config), settings.served_model_name)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    app = create_app(lambda: load_engine(config), settings)
+    server = GracefulServer(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=settings.shutdown_timeout,
+        )
+    )
+    server.run()
+    if app.state.exit_code:
+        raise SystemExit(app.state.exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ class OpenAIError(Exception):
     status_code = 400
     type = "invalid_request_error"
     code: str | None = None
+    headers: dict[str, str] = {}  # extra response headers
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -47,6 +48,33 @@ class InternalError(OpenAIError):
     type = "internal_error"
 
 
+class Unauthorized(OpenAIError):
+    status_code = 401
+    code = "invalid_api_key"
+    headers = {"WWW-Authenticate": "Bearer"}
+
+    def __init__(self) -> None:
+        super().__init__("missing or incorrect API key; send it as 'Authorization: Bearer <key>'")
+
+
+class Overloaded(OpenAIError):
+    """The queue is full: come back later (HTTP 429 with Retry-After)."""
+
+    status_code = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, max_queue: int, retry_after_s: int) -> None:
+        super().__init__(f"the server is busy: {max_queue} requests are already waiting; retry later")
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+class RequestTimeout(OpenAIError):
+    status_code = 504
+    type = "timeout_error"
+    code = "request_timeout"
+
+
 def _validation_param(location: tuple) -> str | None:
     parts = [str(part) for part in location if part != "body"]
     # pydantic names union members (e.g. "str", "list[int]") in the location; keep the field path only
@@ -55,7 +83,7 @@ def _validation_param(location: tuple) -> str | None:
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code)
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -3,6 +3,8 @@ logprob pieces, metrics and usage."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,13 +14,13 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.async_engine import AsyncEngine, EngineDead
 from engine.config import ConfigError
-from engine.engine import PromptTooLong, Request, StepOutput, TokenLogprob
+from engine.engine import FAULTS, PromptTooLong, Request, StepOutput, TokenLogprob
 from engine.grammar import GrammarCompiler
 from engine.sampling import SamplingError, SamplingParams
 from engine.stats import SpecStats
 
 from .detokenizer import IncrementalDetokenizer, TextStream
-from .errors import BadRequest, EngineUnavailable, InternalError, ModelNotFound, OpenAIError
+from .errors import BadRequest, EngineUnavailable, InternalError, ModelNotFound, OpenAIError, RequestTimeout
 from .metrics import Metrics
 from .protocol import (
     DetokenizeRequest,
@@ -34,6 +36,10 @@ from .tools import ToolPlan
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16
+MAX_LOGIT_BIAS = 300  # entries, as in OpenAI's API
+MAX_CHOICES = 64  # prompts x n in one request: they run one after another
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -91,6 +97,8 @@ class Choice:
     grammar: object | None = None  # a compiled grammar the output must follow
     tools: ToolPlan | None = None
     fail_at_step: int | None = None  # the fault-injection test hook, when the server enables it
+    fault_kind: str = "raise"
+    deadline: float | None = None  # time.monotonic() by which the request must be done
     drafter: str | None = None  # None: the server's default
     num_draft_tokens: int | None = None
     adaptive_k: bool | None = None  # None: the server's default
@@ -98,9 +106,15 @@ class Choice:
 
 class ServingCore:
     def __init__(
-        self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, metrics: Metrics
+        self,
+        engine: AsyncEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        model_name: str,
+        metrics: Metrics,
+        request_timeout: float | None = None,
     ) -> None:
         self.engine = engine
+        self.request_timeout = request_timeout
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
@@ -121,6 +135,8 @@ class ServingCore:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+        if len(body.logit_bias or {}) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
         logit_bias: dict[int, float] = {}
         for key, bias in (body.logit_bias or {}).items():
             if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
@@ -173,10 +189,17 @@ class ServingCore:
     ) -> list[Choice]:
         """Prompt i's j-th choice gets index i * n + j; a seeded request gives each choice seed + j."""
         n, choices = body.n, []
+        if len(prompts) * n > MAX_CHOICES:
+            raise BadRequest(f"prompts x n must be at most {MAX_CHOICES}", "n")
         drafter, num_draft_tokens, adaptive_k = self._speculation(body)
-        fail_at_step = None
+        fail_at_step, fault_kind = None, "raise"
         if self.engine.engine.config.fault_injection and body.model_extra:
             fail_at_step = body.model_extra.get("fault_at_step")
+            fault_kind = body.model_extra.get("fault_kind", "raise")
+            if fault_kind not in FAULTS:
+                raise BadRequest(f"fault_kind must be one of {sorted(FAULTS)}", "fault_kind")
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        log.debug("request prompts: %r", prompts)  # prompts are the users' data: debug level only
         for i, prompt_ids in enumerate(prompts):
             for j in range(n):
                 seed = None if params.seed is None else (params.seed + j) % 2**63
@@ -189,9 +212,11 @@ class ServingCore:
                         j == 0,
                         echoes[i],
                         fail_at_step=fail_at_step,
+                        fault_kind=fault_kind,
                         drafter=drafter,
                         num_draft_tokens=num_draft_tokens,
                         adaptive_k=adaptive_k,
+                        deadline=deadline,
                     )
                 )
         return choices
@@ -239,10 +264,14 @@ class ServingCore:
             adaptive_k=choice.adaptive_k,
             grammar=choice.grammar,
             fail_at_step=choice.fail_at_step,
+            fault_kind=choice.fault_kind,
         )
         outputs = self.engine.generate(request)
         try:
-            async for output in outputs:
+            while True:
+                output = await self._next_output(outputs, choice.deadline)
+                if output is None:
+                    return
                 now_ = time.perf_counter()
                 self._observe(output, now_ - last, first=completion_tokens == 0)
                 last = now_
@@ -274,6 +303,17 @@ class ServingCore:
             raise InternalError(f"the engine failed on this request: {type(exc).__name__}: {exc}") from exc
         finally:
             await outputs.aclose()  # leaving early (stop string, disconnect) aborts the request
+
+    async def _next_output(self, outputs: AsyncIterator[StepOutput], deadline: float | None) -> StepOutput | None:
+        """The engine's next output, or None at the end; past the deadline, a RequestTimeout."""
+        if deadline is None:
+            return await anext(outputs, None)
+        try:
+            return await asyncio.wait_for(anext(outputs, None), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
+            raise RequestTimeout(
+                f"the request did not finish within the server's request timeout ({self.request_timeout:g} s)"
+            ) from None
 
     def _observe(self, output: StepOutput, gap: float, first: bool) -> None:
         if output.step is not None:

@@ -36,6 +36,13 @@ class Metrics:
         )
         self.queue_depth = Gauge("specserve_queue_depth", "Requests waiting for the engine", registry=r)
         self.queue_depth.set_function(queue_depth)
+        self.running = Gauge("specserve_running_requests", "Requests on the engine now (0 or 1)", registry=r)
+        self.abort_latency = Histogram(
+            "specserve_abort_latency_seconds",
+            "From a client leaving (or a timeout) to the engine letting its request go",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         by = ["drafter"]
         self.num_drafts = Counter("specserve_spec_decode_num_drafts", "Steps that drafted", by, registry=r)
         self.num_draft_tokens = Counter(

@@ -26,7 +26,7 @@ class SpeculativeOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # NaN / inf are never valid numbers here
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -323,3 +323,46 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, whatever its status: {"error": {message, type, param, code}}."""
+
+    error: ErrorDetail
+
+
+# What the generation routes document in the OpenAPI schema besides their JSON 200 body.
+GENERATION_RESPONSES: dict = {
+    200: {
+        "description": "the JSON response, or with stream=true server-sent events: each event's data is one "
+        "JSON chunk (or an error object), and the last is [DONE]",
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "required": ["data"],
+                }
+            }
+        },
+    },
+    **{
+        status: {"model": ErrorResponse, "description": description}
+        for status, description in {
+            400: "invalid request",
+            401: "missing or wrong API key",
+            404: "unknown model",
+            429: "queue full (see Retry-After)",
+            500: "the engine failed on this request",
+            503: "loading, shutting down, or engine dead",
+            504: "request timeout",
+        }.items()
+    },
+}

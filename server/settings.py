@@ -43,7 +43,18 @@ class ServeSettings(BaseSettings):
     medusa_heads: str | None = None
     stages: str = "ngram,model"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # production
+    api_key: str | None = Field(default=None, description="require 'Authorization: Bearer KEY' on the API routes")
+    max_queue: int = Field(default=64, ge=0, description="generation requests allowed to wait; more get 429")
+    request_timeout: float | None = Field(default=600.0, gt=0, description="seconds a request may take, queue included")
+    max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="largest accepted request body")
+    cors_allow_origins: str | None = Field(default=None, description="comma-separated origins; none: CORS off")
+    shutdown_timeout: float = Field(default=10.0, ge=0, description="grace period for in-flight requests on SIGTERM")
     fault_injection: bool = False  # test hook, from SPECSERVE_FAULT_INJECTION=1 only; never for production
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [origin.strip() for origin in (self.cors_allow_origins or "").split(",") if origin.strip()]
 
     @property
     def resolved_draft(self) -> str | None:
