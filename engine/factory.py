@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .config import EngineConfig
 from .engine import SpecEngine, build_engine
 from .loader import eos_token_ids, load
+
+STAGES = ("tokenizer", "target", "draft", "caches")
 
 
 @dataclass(slots=True)
@@ -18,7 +22,16 @@ class LoadedEngine:
     model_name: str
 
 
-def load_engine(config: EngineConfig) -> LoadedEngine:
-    models = load(config)
-    engine = build_engine(config, models.target, models.draft, eos_token_ids(models.target, models.tokenizer))
+def load_engine(config: EngineConfig, show_progress: bool | None = None) -> LoadedEngine:
+    """Load and wrap; a progress bar (stage, elapsed time) shows on a terminal, log lines carry sizes."""
+    show = sys.stderr.isatty() if show_progress is None else show_progress
+    with tqdm(total=len(STAGES), desc="specserve: loading", unit="stage", disable=not show, leave=False) as bar:
+
+        def progress(stage: str) -> None:
+            bar.set_postfix_str(f"{stage} done")
+            bar.update(1)
+
+        models = load(config, progress)
+        engine = build_engine(config, models.target, models.draft, eos_token_ids(models.target, models.tokenizer))
+        progress("caches")
     return LoadedEngine(engine, models.tokenizer, models.target_name)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,11 +78,21 @@ def load_tokenizer(ref: str | None) -> PreTrainedTokenizerBase:
 def load_model(ref: str | None, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     where, extra = _locate(ref)
     log.info("loading %s (%s, %s)", ref or EMBEDDED_NAME, device, dtype)
+    started = time.perf_counter()
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra)
     except OSError as exc:
         raise ConfigError(f"cannot load model {ref!r}: {exc}") from exc
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    log.info("loaded %s: %s in %.1f s", ref or EMBEDDED_NAME, describe(model), time.perf_counter() - started)
+    return model
+
+
+def describe(model: torch.nn.Module) -> str:
+    """'135M params, 538 MB float32 on cpu'"""
+    params = list(model.parameters())
+    count, size = sum(p.numel() for p in params), sum(p.nbytes for p in params)
+    return f"{count / 1e6:,.0f}M params, {size / 2**20:,.0f} MB {str(params[0].dtype).removeprefix('torch.')} on {params[0].device}"
 
 
 def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
@@ -95,19 +107,24 @@ def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedToke
     )
 
 
-def load(config: EngineConfig) -> LoadedModels:
+def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: None) -> LoadedModels:
+    """``progress(stage)`` is called as each stage ends: tokenizer, target, draft."""
     device, dtype = config.torch_device, config.torch_dtype
     tokenizer = load_tokenizer(config.target)
+    progress("tokenizer")
     target = load_model(config.target, device, dtype)
+    progress("target")
     draft = None
     if config.draft is not None and config.draft.startswith(COPY_PREFIX):
         draft_dtype = config.draft[len(COPY_PREFIX) :]
         if draft_dtype not in DTYPES:
             raise ConfigError(f"draft {config.draft!r}: dtype must be one of {sorted(DTYPES)}")
         draft = copy.deepcopy(target).to(DTYPES[draft_dtype])
+        log.info("draft %s: %s", config.draft, describe(draft))
     elif config.draft is not None:
         check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
         draft = load_model(config.draft, device, dtype)
+    progress("draft")
     name = EMBEDDED_NAME if config.target is None else config.target
     return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=name)
 

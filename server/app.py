@@ -9,16 +9,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import AppStatus
 
@@ -49,6 +51,7 @@ from .streaming import sse_response
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+CHAT_PAGE = Path(__file__).parent / "static" / "index.html"
 T = TypeVar("T")
 
 
@@ -68,6 +71,12 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "shutting down"}, status_code=503)
     alive = serving.engine.alive
     return JSONResponse({"status": "ok" if alive else "engine dead"}, status_code=200 if alive else 503)
+
+
+@router.get("/", include_in_schema=False)
+async def chat_page() -> HTMLResponse:
+    """The chat page: one static file, no build step, nothing fetched from elsewhere."""
+    return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
 
 @router.get("/metrics")
@@ -168,7 +177,7 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
         app.state.serving = OpenAIServing(
             engine, loaded.tokenizer, name, app.state.metrics, request_timeout=settings.request_timeout
         )
-        log.info("ready: serving %s", name)
+        log.info("%s", startup_summary(loaded.engine, name, settings))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -195,6 +204,24 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
             allow_headers=["Authorization", "Content-Type"],
         )
     return app
+
+
+def startup_summary(engine: SpecEngine, name: str, settings: ServeSettings) -> str:
+    """One line saying what runs where: models, device, dtype, drafter, k, memory, URL."""
+    target, draft = engine.target, engine.draft
+    cache_bytes = target.cache.nbytes + (draft.cache.nbytes if draft is not None else 0)
+    weight_bytes = target.weight_bytes + (draft.weight_bytes if draft is not None else 0)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux reports kB)
+    drafter = engine.default_drafter or "none (target alone)"
+    k = "adaptive, up to " if engine.config.adaptive_k else ""
+    draft_text = "none" if draft is None else f"{engine.config.draft} ({str(draft.dtype).removeprefix('torch.')})"
+    return (
+        f"ready: serving {name!r} at http://{settings.host}:{settings.port} | target on {target.device}, "
+        f"{str(target.dtype).removeprefix('torch.')} | draft {draft_text} | drafter {drafter}, "
+        f"k={k}{engine.config.num_draft_tokens} | context {engine.max_model_len} | weights "
+        f"{weight_bytes / 2**20:,.0f} MB, KV caches {cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
+        + (" | API key required" if settings.api_key else "")
+    )
 
 
 class GracefulServer(uvicorn.Server):

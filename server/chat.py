@@ -138,7 +138,11 @@ class ChatServing(ServingCore):
                 tool_deltas = [ToolCallDelta(index=i, **call.to_openai()) for i, call in enumerate(calls)] or None
                 chunk_choice = ChatChunkChoice(
                     index=choice.index,
-                    delta=ChatDelta(content=text or None, tool_calls=tool_deltas),
+                    delta=ChatDelta(
+                        content=text or None,
+                        tool_calls=tool_deltas,
+                        speculative_draft=(delta.draft and bool(text)) or None,
+                    ),
                     logprobs=self._chat_logprobs(delta.pieces),
                     finish_reason=finish,
                 )

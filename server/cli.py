@@ -10,6 +10,7 @@ import sys
 
 from engine.config import ConfigError
 
+from .logs import configure_logging
 from .settings import ServeSettings
 
 
@@ -19,15 +20,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP", argument_default=argparse.SUPPRESS)
-    serve.add_argument("--config", default=None, help="YAML preset (see configs/); flags override it")
+    serve.add_argument(
+        "--config", default=None, help="YAML preset (see configs/; or SPECSERVE_CONFIG); flags override it"
+    )
     serve.add_argument("--target", help="model folder, hub id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--draft", help="draft model ref, copy:DTYPE (the target in another dtype), or none")
     serve.add_argument("--drafter", help="drafting strategy (default: model)")
     serve.add_argument("--num-draft-tokens", type=int, help="tokens drafted per speculative step (default 4)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
-    serve.add_argument("--device", choices=["cpu", "cuda", "auto"])
-    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", choices=["cpu", "cuda", "auto"], help="where the models run (default auto)")
+    serve.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype (default auto: bfloat16 on GPU, float32 on CPU)",
+    )
     serve.add_argument("--max-model-len", type=int, help="context length; KV caches are sized to it once")
     serve.add_argument("--served-model-name", help="model id clients use (default: the target ref)")
     serve.add_argument("--seed", type=int, help="seed for requests that bring none")
@@ -43,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="prompts are logged at debug only"
     )
+    serve.add_argument("--log-format", choices=["text", "json"], help="json: one JSON object per log line")
     prod = serve.add_argument_group("production")
     prod.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every API route (or SPECSERVE_API_KEY)")
     prod.add_argument("--max-queue", type=int, help="generation requests allowed to wait; past it 429 (default 64)")
@@ -50,17 +58,24 @@ def _parser() -> argparse.ArgumentParser:
     prod.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 4 MiB)")
     prod.add_argument("--cors-allow-origins", help="comma-separated origins allowed by CORS (default: CORS off)")
     prod.add_argument("--shutdown-timeout", type=float, help="on SIGTERM, seconds to let requests finish (default 10)")
+    chat = commands.add_parser("chat", help="chat with a running server from the terminal (streams replies)")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
+    chat.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"), help="key, if the server wants one")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default %(default)s)")
+    chat.add_argument("--max-tokens", type=int, default=512, help="longest reply (default %(default)s)")
+    chat.add_argument("--drafter", default=None, help="ask for this drafter (default: the server's)")
     medusa = commands.add_parser("train-medusa", help="train Medusa heads for a target on CPU")
     medusa.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
     medusa.add_argument("--out", default=None, help="checkpoint folder (default: the shipped heads' folder)")
-    medusa.add_argument("--heads", type=int, default=3)
+    medusa.add_argument("--heads", type=int, default=3, help="heads to train: tokens drafted per step (default 3)")
     medusa.add_argument("--minutes", type=float, default=3.0, help="training time budget")
     medusa.add_argument("--max-chars", type=int, default=120_000, help="standard-library text to use")
     medusa.add_argument("--chat-samples", type=int, default=10, help="greedy chat answers to self-distil from")
     calib = commands.add_parser("calibrate-self", help="choose the layers the self drafter keeps")
-    calib.add_argument("--target", default=None)
+    calib.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
     calib.add_argument("--keep", type=int, default=None, help="layers to keep (default: half)")
-    calib.add_argument("--max-chars", type=int, default=20_000)
+    calib.add_argument("--max-chars", type=int, default=20_000, help="calibration text to use (default 20000)")
     calib.add_argument("--out", default=None, help="where to write (default: engine/calibration/<model>.json)")
     return parser
 
@@ -110,6 +125,14 @@ def calibrate_self_command(args: dict) -> None:
     )
 
 
+def chat_command(args: dict) -> None:
+    from .chat_client import chat
+
+    raise SystemExit(
+        chat(args["url"], args["api_key"], args["system"], args["temperature"], args["max_tokens"], args["drafter"])
+    )
+
+
 def serve(settings: ServeSettings) -> None:
     import uvicorn
 
@@ -119,13 +142,6 @@ def serve(settings: ServeSettings) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at serving time
     config = settings.engine_config()
-    logging.getLogger("specserve").info(
-        "loading %s, draft %s, drafter %s, k=%d",
-        config.target or "the embedded default",
-        config.draft,
-        config.drafter,
-        config.num_draft_tokens,
-    )
     app = create_app(lambda: load_engine(config), settings)
     server = GracefulServer(
         uvicorn.Config(
@@ -133,6 +149,7 @@ def serve(settings: ServeSettings) -> None:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
+            log_config=None,  # uvicorn logs through our handler (text or JSON)
             timeout_graceful_shutdown=settings.shutdown_timeout,
         )
     )
@@ -147,10 +164,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if command != "serve":
             logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            {"train-medusa": train_medusa_command, "calibrate-self": calibrate_self_command}[command](args)
+            commands = {
+                "train-medusa": train_medusa_command,
+                "calibrate-self": calibrate_self_command,
+                "chat": chat_command,
+            }
+            commands[command](args)
             return
-        settings = ServeSettings.load(config_file, args)
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        settings = ServeSettings.load(config_file or os.environ.get("SPECSERVE_CONFIG"), args)
+        configure_logging(settings.log_level, settings.log_format)
         serve(settings)
     except ConfigError as exc:
         print(f"specserve: {exc}", file=sys.stderr)

@@ -58,6 +58,7 @@ class TextDelta:
     final: StepOutput | None = None  # the engine's last output, on the last delta
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
+    draft: bool = False  # the text came from a draft token the target accepted
 
 
 @dataclass(slots=True)
@@ -277,10 +278,12 @@ class ServingCore:
                 last = now_
                 completion_tokens += len(output.token_ids)
                 prompt_logprobs = prompt_logprobs or output.prompt_logprobs
-                for piece in self._pieces(text, output):
+                accepted = output.step.num_accepted if output.step is not None else 0  # a step's first tokens
+                for index, piece in enumerate(self._pieces(text, output)):
                     waiting.append(piece)
                     if piece.text:
-                        yield TextDelta(piece.text, waiting if with_logprobs else None, prompt_logprobs=prompt_logprobs)
+                        pieces = waiting if with_logprobs else None
+                        yield TextDelta(piece.text, pieces, prompt_logprobs=prompt_logprobs, draft=index < accepted)
                         waiting, prompt_logprobs = [], None
                 finish = "stop" if text.stopped else output.finish_reason
                 if finish is None:

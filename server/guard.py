@@ -16,7 +16,7 @@ from .errors import BadRequest, EngineUnavailable, OpenAIError, Overloaded, Unau
 from .metrics import Metrics
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # everything else asks for the key when one is set
+OPEN_PATHS = frozenset({"/health", "/metrics", "/"})  # the chat page holds no data; the API asks for the key
 
 
 @dataclass(slots=True)

@@ -264,6 +264,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    speculative_draft: bool | None = None  # specserve's extension: true when this text was an accepted draft token
 
     @model_serializer(mode="wrap")
     def _only_present(self, handler):  # the first delta carries the role, later ones only content

@@ -43,6 +43,7 @@ class ServeSettings(BaseSettings):
     medusa_heads: str | None = None
     stages: str = "ngram,model"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
     # production
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer KEY' on the API routes")
     max_queue: int = Field(default=64, ge=0, description="generation requests allowed to wait; more get 429")

@@ -73,4 +73,57 @@ def test_drafter_flag_selects_the_default_drafter(tiny_model_dirs, tmp_path):
         assert response.usage.model_extra["speculative"]["drafter"] == "ngram"
     finally:
         stop_server(server)
-    assert "draft None, drafter ngram" in server.log.read_text()  # no draft model was loaded
+    assert "draft none | drafter ngram" in server.log.read_text()  # no draft model was loaded
+
+
+def test_every_flag_of_every_command_has_help():
+    from server.cli import _parser
+
+    parser = _parser()
+    commands = next(action for action in parser._actions if action.dest == "command").choices
+    for name, command in commands.items():
+        assert command.description or command.format_usage(), name
+        for action in command._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"specserve {name} {action.option_strings[0]} has no help"
+    for name in ["serve", "chat", "train-medusa", "calibrate-self"]:
+        result = subprocess.run([sys.executable, "-m", "server.cli", name, "--help"], capture_output=True, text=True)
+        assert result.returncode == 0 and "usage: specserve" in result.stdout
+
+
+def test_the_terminal_chat_client_streams_replies_and_stats(server):
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "chat", "--url", server.url, "--temperature", "0", "--max-tokens", "12"],
+        input="hello\n\nand again\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    stats = [line for line in result.stdout.splitlines() if line.startswith("[12 tokens")]
+    assert len(stats) == 2 and "accepted" in stats[0]
+
+
+def test_the_chat_client_reports_an_unreachable_server():
+    url = f"http://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "chat", "--url", url], input="", capture_output=True, text=True
+    )
+    assert result.returncode == 1 and "cannot reach" in result.stderr
+
+
+def test_json_logs_and_the_startup_summary(tiny_model_dirs, tmp_path):
+    import json
+
+    from tests.conftest import start_server, stop_server
+
+    target, draft = tiny_model_dirs
+    args = ["--target", str(target), "--draft", str(draft), "--device", "cpu", "--log-format", "json"]
+    server = start_server(args + ["--max-model-len", "128"], tmp_path / "server.log")
+    stop_server(server)
+    records = [json.loads(line) for line in server.log.read_text().splitlines() if line.startswith("{")]
+    assert records and all({"time", "level", "logger", "message"} <= set(record) for record in records)
+    summary = next(record["message"] for record in records if record["message"].startswith("ready:"))
+    for part in ("target on cpu", "float32", "drafter model", "k=4", "KV caches", "peak RSS", "http://127.0.0.1:"):
+        assert part in summary, summary
+    assert any(record["logger"] == "uvicorn.access" for record in records)  # access lines share the format

@@ -1,0 +1,93 @@
+"""The chat page at /, driven in a real browser (Debian's chromium through Playwright) against a live
+server on a tiny model: streaming, stats, a second turn, and the error path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+SCREENSHOT = REPO / "docs" / "chat.png"
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    if CHROMIUM is None:
+        if os.environ.get("SPECSERVE_REQUIRE_SYSTEM_DEPS") == "1":
+            pytest.fail("chromium is required here (SPECSERVE_REQUIRE_SYSTEM_DEPS=1)")
+        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1180, "height": 760})
+        page.goto(server.url + "/")
+        yield page
+        browser.close()
+
+
+def _send(page, text: str) -> None:
+    page.fill("#message", text)
+    page.press("#message", "Enter")
+
+
+def _last_reply(page):
+    replies = page.locator(".turn.assistant")
+    replies.last.wait_for()
+    page.wait_for_function(
+        "() => { const r = [...document.querySelectorAll('.turn.assistant')].pop();"
+        " return r && !r.hasAttribute('data-streaming'); }",
+        timeout=30_000,
+    )
+    return replies.last
+
+
+def test_the_page_is_served_offline_with_no_outside_resources(server):
+    import httpx
+
+    html = httpx.get(server.url + "/").text
+    assert "<script>" in html and "http://" not in html and "https://" not in html  # no CDN, no build
+
+
+def test_a_message_streams_in_and_the_stats_update(page):
+    page.wait_for_function("() => document.getElementById('model').textContent === 'tiny'")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "40")
+    page.select_option("#drafter", "model")
+    _send(page, "Hello there")
+    reply = _last_reply(page)
+    assert len(reply.inner_text()) > 0
+    assert reply.locator("span").count() >= 10  # one piece per streamed token
+    assert page.inner_text("#stat-tokens") != "–"
+    drafted = int(page.inner_text("#stat-drafted"))
+    accepted = int(page.inner_text("#stat-accepted"))
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert page.inner_text("#stat-acceptance").endswith("%")
+    assert float(page.inner_text("#stat-speed")) > 0
+    if accepted:  # text from accepted draft tokens is highlighted
+        assert reply.locator("span.draft").count() >= 1
+
+
+def test_a_second_turn_keeps_the_history_and_reuses_the_prefix(page):
+    _send(page, "And again")
+    _last_reply(page)
+    assert page.locator(".turn.user").count() == 2 and page.locator(".turn.assistant").count() == 2
+    assert int(page.inner_text("#stat-cached")) > 0  # the first turn's tokens came from the KV cache
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT))
+
+
+def test_a_bad_parameter_shows_a_clear_error(page):
+    page.fill("#max-tokens", "100000")
+    _send(page, "This asks for too much")
+    alert = page.locator(".turn.error").last
+    alert.wait_for(timeout=10_000)
+    assert "400" in alert.inner_text() and "context" in alert.inner_text()
+    page.fill("#max-tokens", "20")
+    _send(page, "Fine now")
+    assert len(_last_reply(page).inner_text()) > 0
