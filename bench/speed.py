@@ -1,6 +1,6 @@
 """specserve against Hugging Face transformers on the same model, machine and prompts.
 
-    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats (~25 min)
+    make bench          # every configuration, every prompt of bench/prompts.yaml, 2 repeats (~30 min)
     make bench-quick    # one prompt per type, one repeat, fewer configurations (~3 min)
 
 Configurations, run in interleaved order so machine noise hits all alike:
@@ -70,11 +70,11 @@ def main() -> None:
     parser.add_argument("--in-process", default="none,ngram+adaptive", help="also run these in this process")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per run (default 96; quick 64)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 3; quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 2; quick 1)")
     parser.add_argument("--types", default="chat,code,summarise,long")
     parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 2)
     args.max_tokens = args.max_tokens or (64 if args.quick else 96)
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
     prompts = {kind: prompts[kind][:1] if args.quick else prompts[kind] for kind in args.types.split(",")}

@@ -1,0 +1,72 @@
+"""The benchmark tooling: the GPU step-cost script end to end on CPU (--smoke), and the report maths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+
+from report import summarise, tables  # noqa: E402
+from runners import Run  # noqa: E402
+
+
+def test_gpu_script_runs_on_cpu_with_small_sizes(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu.sh"), "--smoke", "--out", str(out)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] and report["target_forward_1_ms"] > 0 and report["draft_step_ms"] > 0
+    assert {"target_forward_5_ms", "bandwidth_fraction_target_forward_1", "read_bandwidth_gb_s"} <= set(report)
+    rates = {entry["alpha"]: entry for entry in report["forced_acceptance"]}
+    assert set(rates) == {0.6, 0.8, 1.0}
+    assert rates[1.0]["tokens_per_step"] == 5.0  # k = 4 drafts all accepted, plus the bonus token
+    assert rates[0.6]["tokens_per_step"] < rates[1.0]["tokens_per_step"]
+
+
+def _run(tokens: int, seconds: float, text: str, forwards: int | None = None) -> Run:
+    run = Run(started=0.0, token_times=[0.1 + seconds * i / (tokens - 1) for i in range(tokens)], text=text)
+    run.target_forwards = forwards
+    return run
+
+
+def test_summary_ratios_targets_and_bandwidth_fraction():
+    runs = {
+        "code": {
+            "hf:generate": [_run(11, 1.0, "same")],  # 10 tokens/s after the first
+            "hf:prompt-lookup": [_run(11, 0.5, "same")],  # 20
+            "serve:none": [_run(11, 0.5, "same", forwards=10)],  # 20
+            "serve:ngram": [_run(11, 0.2, "same", forwards=4)],  # 50
+            "serve:self": [_run(11, 0.4, "different", forwards=5)],
+            "engine:ngram": [_run(11, 0.25, "same", forwards=4)],  # 40
+        }
+    }
+    report = summarise([], runs, bound_s=0.01)
+    code = report["results"]["code"]
+    assert code["serve:none"]["speedup_vs_hf_generate"] == 2.0
+    assert code["serve:ngram"]["speedup_vs_target_only"] == 2.5
+    assert code["serve:none"]["bandwidth_bound_fraction"] == 0.2  # 10 forwards x 10 ms in 0.5 s
+    assert code["serve:self"]["greedy_identical"] is False and code["serve:ngram"]["greedy_identical"] is True
+    target = report["targets"]["code"]
+    assert target["best"] == "serve:ngram" and target["best_hf"] == "hf:prompt-lookup"
+    assert target["best_vs_best_hf"] == 2.5 and target["met"] == {
+        "target_only_vs_hf_generate": True,
+        "best_vs_best_hf": True,
+        "best_vs_target_only": True,
+    }
+    assert report["sse_vs_in_process"] == {"ngram": {"code": 1.25}}
+    text = tables(
+        {
+            "model": "m",
+            "settings": {"max_tokens": 10, "repeats": 1},
+            "machine": {"read_bandwidth_gb_s": 1},
+            "bound_ms_per_forward": 10,
+            **report,
+        }
+    )
+    assert "| serve:ngram | 50.0 (5.00x) |" in text
