@@ -133,7 +133,7 @@ def test_nginx_streams_across_two_replicas_and_survives_losing_one(tiny_model_di
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     arrivals.append(time.perf_counter())
-        assert len(arrivals) >= 150
+        assert len(arrivals) >= 50  # a chunk per token that releases text
         # unbuffered: tokens arrive spread over the generation, not in one lump at the end
         assert arrivals[len(arrivals) // 2] - arrivals[0] > 0.2 * (arrivals[-1] - arrivals[0])
 
