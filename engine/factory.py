@@ -23,15 +23,16 @@ class LoadedEngine:
 
 
 def load_engine(config: EngineConfig, show_progress: bool | None = None) -> LoadedEngine:
-    """Load and wrap; a progress bar (stage, elapsed time) shows on a terminal, log lines carry sizes."""
+    """Load and wrap; on a terminal a progress bar shows each stage with its size and the time taken."""
     show = sys.stderr.isatty() if show_progress is None else show_progress
     with tqdm(total=len(STAGES), desc="specserve: loading", unit="stage", disable=not show, leave=False) as bar:
 
-        def progress(stage: str) -> None:
-            bar.set_postfix_str(f"{stage} done")
+        def progress(done: str) -> None:
+            bar.set_postfix_str(done)  # e.g. "target 135M params, 513 MB float32 on cpu"
             bar.update(1)
 
         models = load(config, progress)
         engine = build_engine(config, models.target, models.draft, eos_token_ids(models.target, models.tokenizer))
-        progress("caches")
+        caches = engine.target.cache.nbytes + (engine.draft.cache.nbytes if engine.draft is not None else 0)
+        progress(f"KV caches {caches / 2**20:,.0f} MB")
     return LoadedEngine(engine, models.tokenizer, models.target_name)

@@ -108,12 +108,12 @@ def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedToke
 
 
 def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: None) -> LoadedModels:
-    """``progress(stage)`` is called as each stage ends: tokenizer, target, draft."""
+    """``progress(what)`` is called as each stage ends (tokenizer, target, draft), with sizes."""
     device, dtype = config.torch_device, config.torch_dtype
     tokenizer = load_tokenizer(config.target)
     progress("tokenizer")
     target = load_model(config.target, device, dtype)
-    progress("target")
+    progress(f"target {describe(target)}")
     draft = None
     if config.draft is not None and config.draft.startswith(COPY_PREFIX):
         draft_dtype = config.draft[len(COPY_PREFIX) :]
@@ -124,7 +124,7 @@ def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: N
     elif config.draft is not None:
         check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
         draft = load_model(config.draft, device, dtype)
-    progress("draft")
+    progress("draft none" if draft is None else f"draft {describe(draft)}")
     name = EMBEDDED_NAME if config.target is None else config.target
     return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=name)
 

@@ -127,3 +127,14 @@ def test_json_logs_and_the_startup_summary(tiny_model_dirs, tmp_path):
     for part in ("target on cpu", "float32", "drafter model", "k=4", "KV caches", "peak RSS", "http://127.0.0.1:"):
         assert part in summary, summary
     assert any(record["logger"] == "uvicorn.access" for record in records)  # access lines share the format
+
+
+def test_loading_reports_each_stage_with_its_size(tiny_model_dirs):
+    from engine.config import EngineConfig
+    from engine.loader import load
+
+    target, draft = tiny_model_dirs
+    stages: list[str] = []
+    load(EngineConfig(target=str(target), draft=str(draft), device="cpu"), stages.append)
+    assert [stage.split()[0] for stage in stages] == ["tokenizer", "target", "draft"]
+    assert "params" in stages[1] and "MB float32 on cpu" in stages[2]
