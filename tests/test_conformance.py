@@ -275,7 +275,10 @@ PERSON = {
 def assert_person(text: str) -> None:
     value = json.loads(text)  # strict: control characters inside strings would fail here
     assert set(value) == {"name", "age", "ok"}
-    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    # xgrammar admits a UTF-8-encoded surrogate (3 bytes) as one string character; Python decodes it
+    # to three U+FFFD. Only the tiny byte-level test model emits those; count characters as the grammar does.
+    name = value["name"]
+    assert isinstance(name, str) and len(name) - 2 * name.count("\ufffd\ufffd\ufffd") <= 12
     assert isinstance(value["age"], int) and isinstance(value["ok"], bool)
 
 

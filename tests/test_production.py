@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -177,9 +178,18 @@ def test_disconnected_streams_are_aborted_within_a_step(guarded):
 
 def test_a_non_streaming_client_that_gives_up_is_aborted(guarded):
     before = _metric(guarded, "specserve_abort_latency_seconds_count")
-    body = {"prompt": "give up", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{guarded.v1}/completions", json=body, headers=AUTH, timeout=0.05)
+    body = json.dumps({"prompt": "give up", "max_tokens": 240, "ignore_eos": True, "temperature": 0}).encode()
+    host, port = guarded.url.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(head.encode() + body)
+        deadline = time.monotonic() + 10
+        while not _metric(guarded, "specserve_running_requests") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _metric(guarded, "specserve_running_requests") == 1  # generating now; the client gives up
     deadline = time.monotonic() + 5
     while _metric(guarded, "specserve_abort_latency_seconds_count") == before and time.monotonic() < deadline:
         time.sleep(0.01)
