@@ -149,6 +149,20 @@ class SpecEngine:
     def max_model_len(self) -> int:
         return self.target.max_len
 
+    @property
+    def models(self) -> list[CausalLM]:
+        return [self.target] if self.draft is None else [self.target, self.draft]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weights of the target and the draft model, if any."""
+        return sum(model.weight_bytes for model in self.models)
+
+    @property
+    def cache_bytes(self) -> int:
+        """KV caches of the target and the draft model, allocated once at start-up."""
+        return sum(model.cache.nbytes for model in self.models)
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens < 1:
             raise PromptTooLong("the prompt is empty")

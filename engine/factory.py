@@ -33,6 +33,5 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
 
         models = load(config, progress)
         engine = build_engine(config, models.target, models.draft, eos_token_ids(models.target, models.tokenizer))
-        caches = engine.target.cache.nbytes + (engine.draft.cache.nbytes if engine.draft is not None else 0)
-        progress(f"KV caches {caches / 2**20:,.0f} MB")
+        progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
     return LoadedEngine(engine, models.tokenizer, models.target_name)

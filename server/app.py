@@ -209,8 +209,6 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
 def startup_summary(engine: SpecEngine, name: str, settings: ServeSettings) -> str:
     """One line saying what runs where: models, device, dtype, drafter, k, memory, URL."""
     target, draft = engine.target, engine.draft
-    cache_bytes = target.cache.nbytes + (draft.cache.nbytes if draft is not None else 0)
-    weight_bytes = target.weight_bytes + (draft.weight_bytes if draft is not None else 0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux reports kB)
     drafter = engine.default_drafter or "none (target alone)"
     k = "adaptive, up to " if engine.config.adaptive_k else ""
@@ -219,7 +217,7 @@ def startup_summary(engine: SpecEngine, name: str, settings: ServeSettings) -> s
         f"ready: serving {name!r} at http://{settings.host}:{settings.port} | target on {target.device}, "
         f"{str(target.dtype).removeprefix('torch.')} | draft {draft_text} | drafter {drafter}, "
         f"k={k}{engine.config.num_draft_tokens} | context {engine.max_model_len} | weights "
-        f"{weight_bytes / 2**20:,.0f} MB, KV caches {cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
+        f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
         + (" | API key required" if settings.api_key else "")
     )
 

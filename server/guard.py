@@ -41,7 +41,8 @@ class Guard:
             await self.app(scope, receive, send)
             return
         path, state = scope["path"], self.state
-        refusal = self._refusal(scope, path)
+        length = _header(scope, b"content-length")
+        refusal = self._refusal(scope, path, length)
         generation = path in GENERATION_PATHS and scope["method"] == "POST"
         if refusal is None and generation and state.admitted >= state.max_queue + 1:
             refusal = Overloaded(state.max_queue, state.retry_after_s)
@@ -50,7 +51,7 @@ class Guard:
                 self.metrics.errors.labels(status=str(refusal.status_code)).inc()
             await _send_error(send, refusal)
             return
-        if _header(scope, b"content-length") is None and scope["method"] in ("POST", "PUT", "PATCH"):
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
             receive = await _buffered(receive, state.max_body_bytes)  # a chunked body: count it as it comes
             if receive is None:
                 await _send_error(send, _body_too_large(state.max_body_bytes))
@@ -63,11 +64,10 @@ class Guard:
             if generation:
                 state.admitted -= 1
 
-    def _refusal(self, scope: Scope, path: str) -> OpenAIError | None:
+    def _refusal(self, scope: Scope, path: str, length: str | None) -> OpenAIError | None:
         state = self.state
         if state.api_key is not None and path not in OPEN_PATHS and not _key_matches(scope, state.api_key):
             return Unauthorized()
-        length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
             return _body_too_large(state.max_body_bytes)
         if state.draining and path not in OPEN_PATHS:
