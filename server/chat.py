@@ -56,7 +56,7 @@ class ChatServing(ServingCore):
         else:
             grammar = self._grammar(body.response_format)
         for choice in choices:
-            choice.grammar, choice.tools = grammar, tools
+            choice.request.grammar, choice.tools = grammar, tools
         return choices
 
     def _grammar(self, response_format: ResponseFormat | None) -> object | None:

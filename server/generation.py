@@ -91,18 +91,19 @@ class Choice:
     """One generation to run: choices run one after another at batch size 1."""
 
     index: int
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: Request  # what the engine runs: prompt, sampling params, drafter options, grammar
     first_of_prompt: bool  # usage counts each prompt once, however many choices it has
     echo: str = ""
-    grammar: object | None = None  # a compiled grammar the output must follow
     tools: ToolPlan | None = None
-    fail_at_step: int | None = None  # the fault-injection test hook, when the server enables it
-    fault_kind: str = "raise"
     deadline: float | None = None  # time.monotonic() by which the request must be done
-    drafter: str | None = None  # None: the server's default
-    num_draft_tokens: int | None = None
-    adaptive_k: bool | None = None  # None: the server's default
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 class ServingCore:
@@ -166,18 +167,29 @@ class ServingCore:
         except SamplingError as exc:
             raise BadRequest(str(exc), exc.param) from exc
 
-    def _speculation(self, body: _Request) -> tuple[str | None, int | None, bool | None]:
-        """The request's own drafter, k and adaptive k (extra body field ``speculative``), checked up front."""
-        options = body.speculative
-        if options is None:
-            return None, None, None
-        if options.drafter is not None and options.drafter != "none":
-            try:
-                self.engine.engine.drafter(options.drafter)
-            except ConfigError as exc:
-                raise BadRequest(str(exc), "speculative.drafter") from exc
-        drafter = "none" if options.drafter == "none" else options.drafter
-        return drafter, options.num_draft_tokens, options.adaptive_k
+    def _engine_options(self, body: _Request) -> dict:
+        """The ``Request`` fields a request sets beyond prompt and sampling, checked up front: its own
+        drafter, k and adaptive k (extra body field ``speculative``) and, when the server enables the
+        test hook, a fault to inject."""
+        options: dict = {}
+        speculative = body.speculative
+        if speculative is not None:
+            if speculative.drafter is not None and speculative.drafter != "none":
+                try:
+                    self.engine.engine.drafter(speculative.drafter)
+                except ConfigError as exc:
+                    raise BadRequest(str(exc), "speculative.drafter") from exc
+            options.update(
+                drafter=speculative.drafter,
+                num_draft_tokens=speculative.num_draft_tokens,
+                adaptive_k=speculative.adaptive_k,
+            )
+        if self.engine.engine.config.fault_injection and body.model_extra:
+            fault_kind = body.model_extra.get("fault_kind", "raise")
+            if fault_kind not in FAULTS:
+                raise BadRequest(f"fault_kind must be one of {sorted(FAULTS)}", "fault_kind")
+            options.update(fail_at_step=body.model_extra.get("fault_at_step"), fault_kind=fault_kind)
+        return options
 
     def _check_fits(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
         try:
@@ -192,34 +204,15 @@ class ServingCore:
         n, choices = body.n, []
         if len(prompts) * n > MAX_CHOICES:
             raise BadRequest(f"prompts x n must be at most {MAX_CHOICES}", "n")
-        drafter, num_draft_tokens, adaptive_k = self._speculation(body)
-        fail_at_step, fault_kind = None, "raise"
-        if self.engine.engine.config.fault_injection and body.model_extra:
-            fail_at_step = body.model_extra.get("fault_at_step")
-            fault_kind = body.model_extra.get("fault_kind", "raise")
-            if fault_kind not in FAULTS:
-                raise BadRequest(f"fault_kind must be one of {sorted(FAULTS)}", "fault_kind")
+        options = self._engine_options(body)
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         log.debug("request prompts: %r", prompts)  # prompts are the users' data: debug level only
         for i, prompt_ids in enumerate(prompts):
             for j in range(n):
                 seed = None if params.seed is None else (params.seed + j) % 2**63
                 choice_params = replace(params, seed=seed)
-                choices.append(
-                    Choice(
-                        i * n + j,
-                        prompt_ids,
-                        choice_params,
-                        j == 0,
-                        echoes[i],
-                        fail_at_step=fail_at_step,
-                        fault_kind=fault_kind,
-                        drafter=drafter,
-                        num_draft_tokens=num_draft_tokens,
-                        adaptive_k=adaptive_k,
-                        deadline=deadline,
-                    )
-                )
+                request = Request(uuid.uuid4().hex, prompt_ids, choice_params, **options)
+                choices.append(Choice(i * n + j, request, j == 0, echoes[i], deadline=deadline))
         return choices
 
     # ---- /tokenize, /detokenize ---------------------------------------------------------------
@@ -256,18 +249,7 @@ class ServingCore:
         started = last = time.perf_counter()
         prompt_logprobs = None
         waiting: list[TokenPiece] = []  # tokens that released no text yet (part of a character, or held back)
-        request = Request(
-            uuid.uuid4().hex,
-            choice.prompt_ids,
-            params,
-            num_draft_tokens=choice.num_draft_tokens,
-            drafter=choice.drafter,
-            adaptive_k=choice.adaptive_k,
-            grammar=choice.grammar,
-            fail_at_step=choice.fail_at_step,
-            fault_kind=choice.fault_kind,
-        )
-        outputs = self.engine.generate(request)
+        outputs = self.engine.generate(choice.request)
         try:
             while True:
                 output = await self._next_output(outputs, choice.deadline)
