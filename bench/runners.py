@@ -78,18 +78,6 @@ class PeakRSS:
         return None
 
 
-def measure_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
-    """Bytes per second reading one large float32 tensor (median of repeats): the decode speed limit."""
-    data = torch.ones(megabytes * 2**20 // 4)
-    data.sum()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        seconds.append(time.perf_counter() - start)
-    return data.nbytes / sorted(seconds)[len(seconds) // 2]
-
-
 class _Arrivals(BaseStreamer):
     """A ``generate`` streamer that timestamps every new token (the first ``put`` is the prompt)."""
 

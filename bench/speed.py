@@ -29,8 +29,9 @@ import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from host import cpu, measure_read_bandwidth  # noqa: E402
 from report import plot, summarise, tables, update_readme  # noqa: E402
-from runners import EngineRunner, HFRunner, Run, ServerRunner, measure_read_bandwidth  # noqa: E402
+from runners import EngineRunner, HFRunner, Run, ServerRunner  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import build_engine  # noqa: E402
@@ -110,6 +111,7 @@ def main() -> None:
     report = {
         "machine": {
             "processor": platform.processor() or platform.machine(),
+            "cpu": cpu(),
             "torch_threads": torch.get_num_threads(),
             "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "read_bandwidth_readings_gb_s": [round(b / 1e9, 2) for b in bandwidths],

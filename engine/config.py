@@ -24,6 +24,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, capped at 4096
     seed: int | None = None
+    threads: int | None = None  # CPU intra-op threads; None: the CPUs this process may use (engine/threads.py)
     adaptive_k: bool = False  # choose k per step (up to num_draft_tokens) from measured costs
     min_draft_confidence: float = 0.0  # model drafts stop when their top probability falls below this
     ngram_sizes: tuple[int, int] = (1, 4)  # n-gram lookup tries the longest n first
@@ -33,6 +34,8 @@ class EngineConfig:
     fault_injection: bool = False  # test hook: requests may ask to fail at a given step
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {self.threads}")
         if self.num_draft_tokens < 0 or self.num_draft_tokens > 64:
             raise ConfigError(f"num_draft_tokens must be between 0 and 64, got {self.num_draft_tokens}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -48,6 +51,7 @@ class EngineConfig:
             raise ConfigError(f"ngram sizes must satisfy 1 <= min <= max, got {self.ngram_sizes}")
         if self.draft is not None and self.draft.lower() == "none":
             self.draft = None
+        check_stages(self.stages)
 
     @property
     def torch_device(self) -> torch.device:
@@ -60,3 +64,30 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def check_stages(stages: tuple[str, ...]) -> None:
+    """The staged drafter's chain: two or more registered drafters, each named once, every stage
+    after the first able to check the tokens of the stage before it."""
+    from .drafters.base import available, can_refine  # the registry imports this module
+
+    chain = ",".join(stages)
+    if len(stages) < 2:
+        raise ConfigError(f"stages must name at least two drafters, cheapest first (e.g. ngram,model), got {chain!r}")
+    for name in stages:
+        if name == "staged":
+            raise ConfigError(f"stages {chain!r}: the staged drafter cannot contain itself")
+        if name not in available():
+            raise ConfigError(f"stages {chain!r}: unknown drafter {name!r}; available: {', '.join(available())}")
+    repeated = sorted({name for name in stages if stages.count(name) > 1})
+    if repeated:
+        raise ConfigError(
+            f"stages {chain!r}: {repeated[0]!r} appears more than once; each drafter keeps one state (a model "
+            "stage its KV cache), so a chain names each drafter once"
+        )
+    for name in stages[1:]:
+        if not can_refine(name):
+            raise ConfigError(
+                f"stages {chain!r}: {name!r} cannot check another stage's tokens; "
+                f"only {', '.join(n for n in available() if can_refine(n))} can follow the first stage"
+            )

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .adaptive import AdaptiveK
-from .config import EngineConfig
-from .drafters import Drafter, DraftResources, Proposal, build
+from .config import ConfigError, EngineConfig
+from .drafters import Drafter, DraftResources, Proposal, available, build
 from .grammar import TokenConstraint
 from .model import CausalLM
 from .sampling import RequestSampler, SamplingParams
 from .spec import rejection_sample
-from .stats import SpecStats
+from .stats import SpecStats, StepRecord
 
 
 class PromptTooLong(ValueError):
@@ -53,6 +53,7 @@ class Request:
     num_draft_tokens: int | None = None  # None: the engine's default
     drafter: str | None = None  # None: the engine's default drafter; "none": the target alone
     adaptive_k: bool | None = None  # None: the engine's default; True: num_draft_tokens is only the cap
+    stages: tuple[str, ...] | None = None  # the staged drafter's chain for this request; None: the engine's
     grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
     fail_at_step: int | None = None  # test hook (EngineConfig.fault_injection): a fault in this step's forward
     fault_kind: str = "raise"  # which of FAULTS
@@ -65,16 +66,6 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the N most likely (token id, logprob), when N > 0
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """What one speculative step did, for metrics."""
-
-    num_drafted: int
-    num_accepted: int
-    draft_seconds: float
-    verify_seconds: float
-
-
 @dataclass(slots=True)
 class StepOutput:
     token_ids: list[int]  # new tokens from this step (at least one unless finished by abort)
@@ -85,6 +76,20 @@ class StepOutput:
     step: StepRecord | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output; the first token has none
+
+    def truncated(self, kept: int) -> StepOutput:
+        """This output when only its first ``kept`` tokens reach the client (a stop string ended
+        the text inside the step): tokens, logprobs, the step record and the counters all shrink."""
+        if kept >= len(self.token_ids) or self.step is None:
+            return self
+        step = self.step.truncated(kept)
+        stats = self.stats.copy()
+        stats.retract(self.step)
+        stats.record(step)
+        logprobs = None if self.logprobs is None else self.logprobs[:kept]
+        return replace(
+            self, token_ids=self.token_ids[:kept], finish_reason="stop", stats=stats, step=step, logprobs=logprobs
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +120,9 @@ class SpecEngine:
         target: CausalLM,
         draft: CausalLM | None,
         eos_token_ids: set[int],
+        tokenizer_size: int | None = None,
     ) -> None:
+        """``tokenizer_size``: ids the tokenizer can decode; logit rows past it (padding) are never sampled."""
         self.config = config
         self.target = target
         self.draft = draft
@@ -123,21 +130,49 @@ class SpecEngine:
         # Requests without a seed draw one from here: reproducible runs under --seed, fresh ones otherwise.
         self._seeds = torch.Generator()
         self._seeds.manual_seed(config.seed) if config.seed is not None else self._seeds.seed()
-        # Sampling runs over the ids both models share; padded logit rows past the tokenizer are never sampled.
-        self.vocab_size = target.vocab_size if draft is None else min(target.vocab_size, draft.vocab_size)
+        # Sampling runs over the ids both models share and the tokenizer can decode, in every mode.
+        sizes = [model.vocab_size for model in (target, draft) if model is not None]
+        self.vocab_size = min(sizes + ([tokenizer_size] if tokenizer_size else []))
         self._resources = DraftResources(config=config, target=target, draft=draft)
         self._drafters: dict[str, Drafter] = {}
         self._policies: dict[str, AdaptiveK] = {}  # costs and acceptance, learned across requests
+        # Every registered drafter is built now; what cannot run here (no draft model, no heads) is
+        # remembered with its reason, so requests can still pick any of the others.
+        self.drafter_problems: dict[str, str] = {}
+        for name in available():
+            try:
+                self._drafters[name] = build(name, self._resources)
+            except ConfigError as exc:
+                self.drafter_problems[name] = str(exc)
         # With no draft model, the default "model" drafter means the target alone.
         self.default_drafter = config.drafter if (draft is not None or config.drafter != "model") else None
         if self.default_drafter is not None:
-            self.drafter(self.default_drafter)  # build it now, so a bad configuration fails at start-up
+            self.drafter(self.default_drafter)  # a default that cannot run fails at start-up
 
-    def drafter(self, name: str) -> Drafter:
-        """The drafter registered as ``name``, built on first use (drafters share the loaded models)."""
-        if name not in self._drafters:
-            self._drafters[name] = build(name, self._resources)
-        return self._drafters[name]
+    @property
+    def runnable_drafters(self) -> list[str]:
+        """The drafters a request may ask for here, besides "none" (the target alone)."""
+        return sorted(self._drafters.keys() - self.drafter_problems.keys() - {k for k in self._drafters if ":" in k})
+
+    def drafter(self, name: str, stages: tuple[str, ...] | None = None) -> Drafter:
+        """The drafter registered as ``name`` (for ``staged``, over ``stages`` or the configured chain);
+        drafters share the loaded models. A ConfigError names the drafter and what can run instead."""
+        key = name if stages is None else f"{name}:{','.join(stages)}"
+        if key in self._drafters:
+            return self._drafters[key]
+        runnable = ", ".join([*self.runnable_drafters, "none"])
+        if name not in available():
+            raise ConfigError(f"unknown drafter {name!r}; drafters that can run here: {runnable}")
+        if stages is None:
+            raise ConfigError(
+                f"drafter {name!r} cannot run here: {self.drafter_problems[name]}; drafters that can run here: {runnable}"
+            )
+        resources = replace(self._resources, config=replace(self.config, stages=tuple(stages)))
+        try:
+            self._drafters[key] = build(name, resources)  # the config checks the chain
+        except ConfigError as exc:
+            raise ConfigError(f"drafter {name!r} with stages {','.join(stages)} cannot run here: {exc}") from None
+        return self._drafters[key]
 
     def reset(self) -> None:
         """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""
@@ -178,14 +213,16 @@ class SpecEngine:
         self.check_fits(len(request.prompt_ids), params.max_tokens)
         seq = self._begin(request)  # the caches keep the longest prefix shared with the last request
         cached = self.target.cache.length
-        prompt_logprobs = self._prompt_logprobs(seq) if params.prompt_logprobs is not None else None
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:  # scores the whole prompt again: nothing was reused
+            prompt_logprobs, cached = self._prompt_logprobs(seq), 0
         num_draft_tokens = (
             self.config.num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
         )
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         while True:
             if should_abort():
-                yield StepOutput([], "abort", seq.prompt_len, cached, replace(seq.stats))
+                yield StepOutput([], "abort", seq.prompt_len, cached, seq.stats.copy())
                 return
             if request.fail_at_step is not None and seq.stats.target_forwards == request.fail_at_step:
                 self.target.fault = FAULTS[request.fault_kind]
@@ -200,12 +237,12 @@ class SpecEngine:
                 new, finish = new[: params.max_tokens - seq.num_generated], "length"
             seq.token_ids.extend(new)
             seq.sampler.commit(new)
+            record = result.record.truncated(len(new))  # count only what the client receives
+            seq.stats.record(record)
             logprobs = None
             if params.logprobs is not None:
                 logprobs = self._logprobs(result.target_logits[: len(new)], new, params.logprobs)
-            yield StepOutput(
-                new, finish, seq.prompt_len, cached, replace(seq.stats), result.record, logprobs, prompt_logprobs
-            )
+            yield StepOutput(new, finish, seq.prompt_len, cached, seq.stats.copy(), record, logprobs, prompt_logprobs)
             prompt_logprobs = None
             if finish is not None:
                 return
@@ -216,11 +253,13 @@ class SpecEngine:
         name = request.drafter or self.default_drafter
         if name == "none":  # the request asks for the target alone
             name = None
-        drafter = self.drafter(name) if name is not None else None
+        drafter = self.drafter(name, request.stages) if name is not None else None
         if drafter is not None:
             drafter.begin(prompt)
         policy = None
-        adaptive_k = self.config.adaptive_k if request.adaptive_k is None else request.adaptive_k
+        adaptive_k = request.adaptive_k
+        if adaptive_k is None:  # k decides how many random draws a step takes: a seed needs a fixed k to repeat
+            adaptive_k = self.config.adaptive_k and request.params.seed is None
         if drafter is not None and adaptive_k:
             policy = self._policies.setdefault(name, AdaptiveK())
         seed = request.params.seed
@@ -273,8 +312,10 @@ class SpecEngine:
         # 2. The target scores the pending token(s) and all k drafts in one forward pass.
         pending, draft_ids = tokens[self.target.cache.length :], proposal.token_ids.tolist()
         logits = self.target.extend(pending + draft_ids, num_logits=k + 1)  # [k+1, V]
-        # NaN or inf anywhere in the logits poisons all of p, which the sampler then refuses (no extra sync)
-        p = sampler.probs(logits, proposal.token_ids) + logits.sum() * 0  # [k+1, V]
+        # NaN or inf anywhere in the logits poisons all of p, which the sampler then refuses (no extra
+        # sync). isfinite, not a sum: summing 49k half-precision logits overflows to inf on its own.
+        p = sampler.probs(logits, proposal.token_ids)  # [k+1, V]
+        p = torch.where(torch.isfinite(logits).all(), p, torch.nan)
         # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token.
         verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator)
         # 4. Both caches roll back to the accepted length.
@@ -283,19 +324,22 @@ class SpecEngine:
         if seq.drafter is not None:
             seq.drafter.accept(num_committed)
         n = verdict.num_accepted
-        record = StepRecord(k, n, drafted - started, time.perf_counter() - drafted)
-        seq.stats.record(k, n, record.draft_seconds, record.verify_seconds)
+        record = StepRecord(k, n, drafted - started, time.perf_counter() - drafted, num_emitted=n + 1)
         if seq.policy is not None:
             seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds)
         return _StepResult(draft_ids[:n] + [verdict.next_token], logits[: n + 1], record)
 
 
 def build_engine(
-    config: EngineConfig, target_model: torch.nn.Module, draft_model: torch.nn.Module | None, eos_token_ids: set[int]
+    config: EngineConfig,
+    target_model: torch.nn.Module,
+    draft_model: torch.nn.Module | None,
+    eos_token_ids: set[int],
+    tokenizer_size: int | None = None,
 ) -> SpecEngine:
     """Wrap loaded Hugging Face models: caches are sized once, here, and reused for every request."""
     limit = getattr(target_model.config, "max_position_embeddings", 4096)
     max_len = config.max_model_len or min(limit, 4096)
     target = CausalLM(target_model, max_len)
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None
-    return SpecEngine(config, target, draft, eos_token_ids)
+    return SpecEngine(config, target, draft, eos_token_ids, tokenizer_size)

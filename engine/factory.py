@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .config import EngineConfig
 from .engine import SpecEngine, build_engine
 from .loader import eos_token_ids, load
+from .threads import set_threads, usable_cpus
 
 STAGES = ("tokenizer", "target", "draft", "caches")
 
@@ -23,15 +26,21 @@ class LoadedEngine:
 
 
 def load_engine(config: EngineConfig, show_progress: bool | None = None) -> LoadedEngine:
-    """Load and wrap; on a terminal a progress bar shows each stage with its size and the time taken."""
+    """Load and wrap, in the thread that will run the forward passes; on a terminal a progress bar
+    shows each stage with its size and the time taken."""
+    set_threads(config.threads or usable_cpus())
     show = sys.stderr.isatty() if show_progress is None else show_progress
-    with tqdm(total=len(STAGES), desc="specserve: loading", unit="stage", disable=not show, leave=False) as bar:
+    # On a terminal, one bar; log lines are written above it instead of through it. Elsewhere, lines only.
+    redirect = logging_redirect_tqdm() if show else contextlib.nullcontext()
+    bar = tqdm(total=len(STAGES), desc="specserve: loading", unit="stage", disable=not show, leave=False)
+    with redirect, bar:
 
         def progress(done: str) -> None:
             bar.set_postfix_str(done)  # e.g. "target 135M params, 513 MB float32 on cpu"
             bar.update(1)
 
         models = load(config, progress)
-        engine = build_engine(config, models.target, models.draft, eos_token_ids(models.target, models.tokenizer))
+        eos = eos_token_ids(models.target, models.tokenizer)
+        engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer))
         progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
     return LoadedEngine(engine, models.tokenizer, models.target_name)

@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from .config import DTYPES, ConfigError, EngineConfig
+
+if TYPE_CHECKING:  # transformers takes a second to import: the start-up checks run without it
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +56,10 @@ def embedded_gguf() -> Path:
     return files[0]
 
 
-def _locate(ref: str | None) -> tuple[str, dict]:
-    """ref -> (from_pretrained path or id, extra kwargs)."""
+def locate(ref: str | None) -> tuple[str, dict]:
+    """ref -> (local folder for from_pretrained, extra kwargs). A hub id resolves to its snapshot in the
+    local Hugging Face cache, so loading never reaches for the network; one that is not there is a
+    ConfigError that says how to get it."""
     if ref is None:
         gguf = embedded_gguf()
         return str(gguf.parent), {"gguf_file": gguf.name}
@@ -65,18 +70,38 @@ def _locate(ref: str | None) -> tuple[str, dict]:
         return str(path.parent), {"gguf_file": path.name}
     if path.is_dir():
         return str(path), {}
-    if ref.startswith((".", "/", "~")):
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
         raise ConfigError(f"model folder not found: {ref}")
-    return ref, {}  # a hub id; HF_HUB_OFFLINE=1 keeps it to the local cache
+    return _cached_snapshot(ref), {}
+
+
+def _cached_snapshot(repo_id: str) -> str:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repository id either
+        found = None
+    if isinstance(found, str):
+        return str(Path(found).parent)
+    raise ConfigError(
+        f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}), and specserve "
+        f"never downloads. Where a network exists, run `hf download {repo_id}` and bring that cache here "
+        "(or point HF_HOME at it), or pass the path of a folder that holds the model instead of its id"
+    )
 
 
 def load_tokenizer(ref: str | None) -> PreTrainedTokenizerBase:
-    where, extra = _locate(ref)
+    from transformers import AutoTokenizer
+
+    where, extra = locate(ref)
     return AutoTokenizer.from_pretrained(where, **extra)
 
 
 def load_model(ref: str | None, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    where, extra = _locate(ref)
+    from transformers import AutoModelForCausalLM
+
+    where, extra = locate(ref)
     log.info("loading %s (%s, %s)", ref or EMBEDDED_NAME, device, dtype)
     started = time.perf_counter()
     try:
@@ -119,8 +144,9 @@ def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: N
         draft_dtype = config.draft[len(COPY_PREFIX) :]
         if draft_dtype not in DTYPES:
             raise ConfigError(f"draft {config.draft!r}: dtype must be one of {sorted(DTYPES)}")
+        started = time.perf_counter()
         draft = copy.deepcopy(target).to(DTYPES[draft_dtype])
-        log.info("draft %s: %s", config.draft, describe(draft))
+        log.info("loaded draft %s: %s in %.1f s", config.draft, describe(draft), time.perf_counter() - started)
     elif config.draft is not None:
         check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
         draft = load_model(config.draft, device, dtype)

@@ -1,32 +1,63 @@
-"""Per-request speculative counters."""
+"""Per-step records and per-request speculative counters.
+
+Every counter describes the tokens the client received: a step cut short by end-of-sequence,
+``max_tokens`` or a stop string counts only the tokens it kept.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one speculative step did, for metrics and usage."""
+
+    num_drafted: int  # draft tokens sent to the target for verification
+    num_accepted: int  # accepted draft tokens among those emitted
+    draft_seconds: float
+    verify_seconds: float
+    num_emitted: int = 0  # tokens the step delivered: accepted drafts plus the resampled or bonus token
+
+    def truncated(self, kept: int) -> StepRecord:
+        """The same step when only its first ``kept`` tokens reach the client."""
+        kept = min(kept, self.num_emitted)
+        return replace(self, num_accepted=min(self.num_accepted, kept), num_emitted=kept)
 
 
 @dataclass(slots=True)
 class SpecStats:
-    drafter: str | None = None  # the drafting strategy, or None for the target alone
+    drafter: str | None = None  # the drafting strategy; None (reported as "none") for the target alone
     drafted_tokens: int = 0  # draft tokens sent to the target for verification
-    accepted_tokens: int = 0  # draft tokens the target kept
+    accepted_tokens: int = 0  # draft tokens the target kept (and the client received)
     target_forwards: int = 0  # verify passes (one per speculative step)
-    emitted_tokens: int = 0  # tokens produced: accepted drafts plus one resampled or bonus token per step
+    emitted_tokens: int = 0  # tokens delivered: accepted drafts plus one resampled or bonus token per step
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps that kept draft position i
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
-    def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        self.drafted_tokens += num_drafted
-        self.accepted_tokens += num_accepted
-        self.target_forwards += 1
-        self.emitted_tokens += num_accepted + 1
-        self.draft_seconds += draft_seconds
-        self.verify_seconds += verify_seconds
-        if len(self.accepted_per_position) < num_accepted:
-            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
+    def record(self, step: StepRecord) -> None:
+        self._count(step, 1)
+
+    def retract(self, step: StepRecord) -> None:
+        """Undo ``record(step)``: the step turned out to deliver fewer tokens."""
+        self._count(step, -1)
+
+    def _count(self, step: StepRecord, sign: int) -> None:
+        self.drafted_tokens += sign * step.num_drafted
+        self.accepted_tokens += sign * step.num_accepted
+        self.target_forwards += sign
+        self.emitted_tokens += sign * step.num_emitted
+        self.draft_seconds += sign * step.draft_seconds
+        self.verify_seconds += sign * step.verify_seconds
+        if len(self.accepted_per_position) < step.num_accepted:
+            self.accepted_per_position.extend([0] * (step.num_accepted - len(self.accepted_per_position)))
+        for position in range(step.num_accepted):
+            self.accepted_per_position[position] += sign
+
+    def copy(self) -> SpecStats:
+        """A snapshot that later steps do not change."""
+        return replace(self, accepted_per_position=list(self.accepted_per_position))
 
     def add(self, other: SpecStats) -> None:
         """Fold another request's counters in (for usage over several choices)."""
@@ -56,7 +87,7 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {
-            "drafter": self.drafter,
+            "drafter": self.drafter or "none",
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),

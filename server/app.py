@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
+import torch
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import AppStatus
 
 from engine.async_engine import AsyncEngine
+from engine.config import ConfigError
 from engine.engine import SpecEngine
 from engine.factory import LoadedEngine
 
@@ -85,7 +87,14 @@ async def metrics(request: Request) -> Response:
 
 
 def _card(request: Request) -> ModelCard:
-    return ModelCard(id=_serving(request).model_name, created=request.app.state.started)
+    serving = _serving(request)
+    engine = serving.engine.engine
+    return ModelCard(
+        id=serving.model_name,
+        created=request.app.state.started,
+        drafters=[*engine.runnable_drafters, "none"],
+        default_drafter=engine.default_drafter or "none",
+    )
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -166,9 +175,13 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
         engines.append(engine)
         try:
             await engine.ready()
-        except Exception as exc:  # nothing to serve: say why and exit so a supervisor sees it
-            log.exception("loading the model failed")
-            print(f"specserve: {exc}", file=sys.stderr, flush=True)
+        except Exception as exc:  # nothing to serve: say why in a line and exit so a supervisor sees it
+            log.debug("loading the model failed", exc_info=True)
+            message = str(exc)
+            if not isinstance(exc, ConfigError):  # a library's message may span lines: keep it to one
+                message = f"{type(exc).__name__}: {' '.join(message.split())} (--log-level debug shows the traceback)"
+            for line in message.splitlines():
+                print(f"specserve: {line}", file=sys.stderr, flush=True)
             os._exit(2)
         loaded = holder[0]
         app.state.metrics.queue_depth.set_function(lambda: engine.queue_depth)
@@ -211,12 +224,13 @@ def startup_summary(engine: SpecEngine, name: str, settings: ServeSettings) -> s
     target, draft = engine.target, engine.draft
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux reports kB)
     drafter = engine.default_drafter or "none (target alone)"
+    others = ", ".join(name for name in engine.runnable_drafters if name != engine.default_drafter) or "none"
     k = "adaptive, up to " if engine.config.adaptive_k else ""
     draft_text = "none" if draft is None else f"{engine.config.draft} ({str(draft.dtype).removeprefix('torch.')})"
     return (
         f"ready: serving {name!r} at http://{settings.host}:{settings.port} | target on {target.device}, "
-        f"{str(target.dtype).removeprefix('torch.')} | draft {draft_text} | drafter {drafter}, "
-        f"k={k}{engine.config.num_draft_tokens} | context {engine.max_model_len} | weights "
+        f"{str(target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads | draft {draft_text} | "
+        f"drafter {drafter}, k={k}{engine.config.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
         f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
         + (" | API key required" if settings.api_key else "")
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 from engine.grammar import GrammarCompiler, GrammarError
@@ -19,6 +20,7 @@ from .protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     ResponseFormat,
+    SpeculativeUsage,
     ToolCallDelta,
     TopLogprob,
     Usage,
@@ -27,24 +29,41 @@ from .protocol import (
 )
 from .tools import ToolCallStream, parse_tool_calls, plan_tools
 
+log = logging.getLogger(__name__)
+
+
+TOOLS_IGNORED = "this model's chat template leaves tools out of the prompt: the model does not see them"
+
 
 class ChatServing(ServingCore):
-    def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    _warned_tools = False  # the tools warning goes to the log once per server
+
+    def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> tuple[list[int], list[str]]:
+        """The prompt's token ids, and warnings for the client (tools the chat template leaves out)."""
         if not self.tokenizer.chat_template:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
         messages = [message.template_dict() for message in body.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            without_tools = tools and self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # templates raise their own errors (e.g. roles out of order)
             raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from exc
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        warnings = []
+        if tools and text == without_tools:
+            warnings.append(TOOLS_IGNORED)
+            if not self._warned_tools:
+                self._warned_tools = True
+                log.warning("%s (logged once)", TOOLS_IGNORED)
+        return self.tokenizer(text, add_special_tokens=False).input_ids, warnings
 
     def prepare_chat(self, body: ChatCompletionRequest) -> list[Choice]:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs requires logprobs: true", "top_logprobs")
         tools = plan_tools(body)
-        prompt_ids = self.chat_prompt(body, tools.tools)
+        prompt_ids, warnings = self.chat_prompt(body, tools.tools)
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = requested or max(1, self.engine.engine.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -56,7 +75,7 @@ class ChatServing(ServingCore):
         else:
             grammar = self._grammar(body.response_format)
         for choice in choices:
-            choice.request.grammar, choice.tools = grammar, tools
+            choice.request.grammar, choice.tools, choice.warnings = grammar, tools, warnings
         return choices
 
     def _grammar(self, response_format: ResponseFormat | None) -> object | None:
@@ -79,7 +98,7 @@ class ChatServing(ServingCore):
         content = []
         for piece in pieces:
             top = [
-                TopLogprob(token=(text := self._token_text(t)), logprob=lp, bytes=list(text.encode()))
+                TopLogprob(token=self._token_text(t), logprob=lp, bytes=list(self.token_bytes(t)))
                 for t, lp in piece.logprob.top
             ]
             content.append(
@@ -91,7 +110,8 @@ class ChatServing(ServingCore):
 
     async def chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
         choices, totals = [], UsageTotals()
-        for choice in self.prepare_chat(body):
+        prepared = self.prepare_chat(body)
+        for choice in prepared:
             parts, pieces = [], []
             async for delta in self._generate(choice, "chat"):
                 parts.append(delta.text)
@@ -105,7 +125,12 @@ class ChatServing(ServingCore):
             message = ChatResponseMessage(content=content, tool_calls=[call.to_openai() for call in calls] or None)
             choices.append(ChatChoice(index=choice.index, message=message, logprobs=logprobs, finish_reason=finish))
         return ChatCompletionResponse(
-            id=new_id("chatcmpl"), created=now(), model=self.model_name, choices=choices, usage=totals.usage()
+            id=new_id("chatcmpl"),
+            created=now(),
+            model=self.model_name,
+            choices=choices,
+            usage=totals.usage(),
+            warnings=prepared[0].warnings or None,
         )
 
     async def chat_stream(self, body: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
@@ -116,13 +141,22 @@ class ChatServing(ServingCore):
     ) -> AsyncIterator[ChatCompletionChunk]:
         request_id, created, totals = new_id("chatcmpl"), now(), UsageTotals()
 
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        def chunk(
+            choices: list[ChatChunkChoice], usage: Usage | None = None, speculative: SpeculativeUsage | None = None
+        ) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                id=request_id,
+                created=created,
+                model=self.model_name,
+                choices=choices,
+                usage=usage,
+                speculative=speculative,
             )
 
         for choice in choices:
-            yield chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
+            first = chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
+            first.warnings = (choice is choices[0] and choice.warnings) or None
+            yield first
             tool_stream = ToolCallStream(choice.tools.names) if choice.tools and choice.tools.parse else None
             async for delta in self._generate(choice, "chat"):
                 text, calls, finish = delta.text, [], delta.finish_reason
@@ -134,8 +168,9 @@ class ChatServing(ServingCore):
                         finish = "tool_calls" if calls else finish
                 if delta.final is not None:
                     totals.add(delta, choice.first_of_prompt)
-                usage = totals.usage() if delta.final is not None and choice is choices[-1] else None
                 tool_deltas = [ToolCallDelta(index=i, **call.to_openai()) for i, call in enumerate(calls)] or None
+                if not text and tool_deltas is None and finish is None and delta.pieces is None:
+                    continue  # text held back while a tool call may be forming: no empty delta
                 chunk_choice = ChatChunkChoice(
                     index=choice.index,
                     delta=ChatDelta(
@@ -146,6 +181,6 @@ class ChatServing(ServingCore):
                     logprobs=self._chat_logprobs(delta.pieces),
                     finish_reason=finish,
                 )
-                yield chunk([chunk_choice], usage)
+                yield chunk([chunk_choice], speculative=delta.speculative())
         if body.stream_options and body.stream_options.include_usage:
             yield chunk([], totals.usage())

@@ -8,10 +8,17 @@ import logging
 import os
 import sys
 
-from engine.config import ConfigError
+from engine.threads import set_wait_policy
 
-from .logs import configure_logging
-from .settings import ServeSettings
+# Both are read once, when the hub library and OpenMP load: set them before anything imports torch.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; models come from disk
+os.environ.setdefault("TQDM_DISABLE", "1")  # no library's bars; specserve's loading bar turns itself on
+set_wait_policy()
+
+from engine.config import ConfigError  # noqa: E402  (imports torch)
+
+from .logs import configure_logging  # noqa: E402
+from .settings import ServeSettings  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, help="context length; KV caches are sized to it once")
     serve.add_argument("--served-model-name", help="model id clients use (default: the target ref)")
     serve.add_argument("--seed", type=int, help="seed for requests that bring none")
+    serve.add_argument(
+        "--threads", type=int, help="CPU threads (or SPECSERVE_THREADS; default: the CPUs this process may use)"
+    )
     serve.add_argument(
         "--adaptive-k", action="store_true", help="choose k per step (up to --num-draft-tokens) from measured costs"
     )
@@ -85,7 +95,6 @@ def _offline_engine(target: str | None):
     from engine.config import EngineConfig
     from engine.factory import load_engine
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return load_engine(EngineConfig(target=target, device="cpu", max_model_len=2048))
 
 
@@ -133,15 +142,22 @@ def chat_command(args: dict) -> None:
     )
 
 
-def serve(settings: ServeSettings) -> None:
+def serve(settings: ServeSettings, config_file: str | None = None) -> None:
+    from engine.preflight import preflight
+
+    config = settings.engine_config()
+    problems = preflight(config)  # before any weights load, and before the server's imports: a line each
+    if problems:
+        if config_file is not None and settings.needs:
+            problems.append(f"{config_file} needs {settings.needs}")
+        raise ConfigError("\n".join(problems))
+
     import uvicorn
 
     from engine.factory import load_engine
 
     from .app import GracefulServer, create_app
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at serving time
-    config = settings.engine_config()
     app = create_app(lambda: load_engine(config), settings)
     server = GracefulServer(
         uvicorn.Config(
@@ -163,7 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     command, config_file = args.pop("command"), args.pop("config", None)
     try:
         if command != "serve":
-            logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            # The terminal chat prints only the conversation; the offline tools report their progress.
+            level = "WARNING" if command == "chat" else "INFO"
+            logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             commands = {
                 "train-medusa": train_medusa_command,
                 "calibrate-self": calibrate_self_command,
@@ -171,11 +189,13 @@ def main(argv: list[str] | None = None) -> None:
             }
             commands[command](args)
             return
-        settings = ServeSettings.load(config_file or os.environ.get("SPECSERVE_CONFIG"), args)
+        config_file = config_file or os.environ.get("SPECSERVE_CONFIG")
+        settings = ServeSettings.load(config_file, args)
         configure_logging(settings.log_level, settings.log_format)
-        serve(settings)
+        serve(settings, config_file)
     except ConfigError as exc:
-        print(f"specserve: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"specserve: {line}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

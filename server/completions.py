@@ -9,9 +9,11 @@ from .errors import BadRequest
 from .generation import Choice, ServingCore, TokenPiece, UsageTotals
 from .protocol import (
     CompletionChoice,
+    CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    SpeculativeUsage,
     Usage,
     new_id,
     now,
@@ -98,17 +100,24 @@ class CompletionsServing(ServingCore):
             id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices, usage=totals.usage()
         )
 
-    async def completion_stream(self, body: CompletionRequest) -> AsyncIterator[CompletionResponse]:
+    async def completion_stream(self, body: CompletionRequest) -> AsyncIterator[CompletionChunk]:
         return self._completion_chunks(body, self.prepare_completion(body))
 
     async def _completion_chunks(
         self, body: CompletionRequest, choices: list[Choice]
-    ) -> AsyncIterator[CompletionResponse]:
+    ) -> AsyncIterator[CompletionChunk]:
         request_id, created, totals = new_id("cmpl"), now(), UsageTotals()
 
-        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-            return CompletionResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        def chunk(
+            choices: list[CompletionChoice], usage: Usage | None = None, speculative: SpeculativeUsage | None = None
+        ) -> CompletionChunk:
+            return CompletionChunk(
+                id=request_id,
+                created=created,
+                model=self.model_name,
+                choices=choices,
+                usage=usage,
+                speculative=speculative,
             )
 
         for choice in choices:
@@ -130,14 +139,13 @@ class CompletionsServing(ServingCore):
                 offset += len(delta.text)
                 if delta.final is not None:
                     totals.add(delta, choice.first_of_prompt)
-                usage = totals.usage() if delta.final is not None and choice is choices[-1] else None
                 yield chunk(
                     [
                         CompletionChoice(
                             index=choice.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
                         )
                     ],
-                    usage,
+                    speculative=delta.speculative(),
                 )
         if body.stream_options and body.stream_options.include_usage:
             yield chunk([], totals.usage())

@@ -19,7 +19,7 @@ from engine.grammar import GrammarCompiler
 from engine.sampling import SamplingError, SamplingParams
 from engine.stats import SpecStats
 
-from .detokenizer import IncrementalDetokenizer, TextStream
+from .detokenizer import IncrementalDetokenizer, TextStream, TokenBytes
 from .errors import BadRequest, EngineUnavailable, InternalError, ModelNotFound, OpenAIError, RequestTimeout
 from .metrics import Metrics
 from .protocol import (
@@ -60,6 +60,10 @@ class TextDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
     draft: bool = False  # the text came from a draft token the target accepted
 
+    def speculative(self) -> SpeculativeUsage | None:
+        """The choice's speculation counters, on its last delta."""
+        return None if self.final is None else SpeculativeUsage(**self.final.stats.to_dict())
+
 
 @dataclass(slots=True)
 class UsageTotals:
@@ -96,6 +100,7 @@ class Choice:
     echo: str = ""
     tools: ToolPlan | None = None
     deadline: float | None = None  # time.monotonic() by which the request must be done
+    warnings: list[str] = field(default_factory=list)  # told to the client (e.g. tools the template leaves out)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -121,6 +126,7 @@ class ServingCore:
         self.model_name = model_name
         self.metrics = metrics
         self.vocab_size = engine.engine.vocab_size
+        self.token_bytes = TokenBytes(tokenizer)
         self._grammars: GrammarCompiler | None = None  # built on first use: it indexes the whole vocabulary
 
     # ---- request -> engine --------------------------------------------------------------------
@@ -174,15 +180,22 @@ class ServingCore:
         options: dict = {}
         speculative = body.speculative
         if speculative is not None:
-            if speculative.drafter is not None and speculative.drafter != "none":
+            drafter, stages = speculative.drafter, speculative.stages
+            if stages is not None:
+                if drafter not in (None, "staged"):
+                    raise BadRequest(f"stages applies to the staged drafter, not {drafter!r}", "speculative.stages")
+                drafter, stages = "staged", tuple(stages)
+            if drafter is not None and drafter != "none":
                 try:
-                    self.engine.engine.drafter(speculative.drafter)
+                    self.engine.engine.drafter(drafter, stages)
                 except ConfigError as exc:
-                    raise BadRequest(str(exc), "speculative.drafter") from exc
+                    param = "speculative.stages" if stages is not None else "speculative.drafter"
+                    raise BadRequest(str(exc), param) from exc
             options.update(
-                drafter=speculative.drafter,
+                drafter=drafter,
                 num_draft_tokens=speculative.num_draft_tokens,
                 adaptive_k=speculative.adaptive_k,
+                stages=stages,
             )
         if self.engine.engine.config.fault_injection and body.model_extra:
             fault_kind = body.model_extra.get("fault_kind", "raise")
@@ -243,7 +256,7 @@ class ServingCore:
         """Run one choice, yielding one delta per token that releases text (so a run of accepted
         drafts streams token by token); the last delta carries the finish reason and totals."""
         params = choice.params
-        text = TextStream(self.tokenizer, choice.prompt_ids, params.stop)
+        text = TextStream(self.tokenizer, choice.prompt_ids, params.stop, self.token_bytes)
         with_logprobs = params.logprobs is not None
         completion_tokens = 0
         started = last = time.perf_counter()
@@ -255,13 +268,16 @@ class ServingCore:
                 output = await self._next_output(outputs, choice.deadline)
                 if output is None:
                     return
+                pieces = self._pieces(text, output)
+                if text.stopped:  # tokens after the one that completed a stop string were never sent
+                    output = output.truncated(len(pieces))
                 now_ = time.perf_counter()
                 self._observe(output, now_ - last, first=completion_tokens == 0)
                 last = now_
                 completion_tokens += len(output.token_ids)
                 prompt_logprobs = prompt_logprobs or output.prompt_logprobs
                 accepted = output.step.num_accepted if output.step is not None else 0  # a step's first tokens
-                for index, piece in enumerate(self._pieces(text, output)):
+                for index, piece in enumerate(pieces):
                     waiting.append(piece)
                     if piece.text:
                         pieces = waiting if with_logprobs else None

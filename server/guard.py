@@ -56,6 +56,8 @@ class Guard:
             if receive is None:
                 await _send_error(send, _body_too_large(state.max_body_bytes))
                 return
+        if scope["method"] == "POST":
+            scope = _as_json(scope)
         if generation:
             state.admitted += 1
         try:
@@ -73,6 +75,16 @@ class Guard:
         if state.draining and path not in OPEN_PATHS:
             return EngineUnavailable("the server is shutting down", code="shutting_down")
         return None
+
+
+def _as_json(scope: Scope) -> Scope:
+    """Every POST route takes a JSON body. Read it as JSON whatever Content-Type says, as OpenAI's API
+    and vLLM do (``curl -d`` without a header sends application/x-www-form-urlencoded)."""
+    content_type = _header(scope, b"content-type") or ""
+    if content_type.split(";")[0].strip().lower() == "application/json":
+        return scope
+    headers = [(name, value) for name, value in scope["headers"] if name.lower() != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
 async def _buffered(receive: Receive, limit: int) -> Receive | None:

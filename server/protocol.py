@@ -22,7 +22,8 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     drafter: str | None = None
     num_draft_tokens: int | None = Field(default=None, ge=0, le=64)
-    adaptive_k: bool | None = None  # None: the server's --adaptive-k; true: num_draft_tokens is the cap
+    adaptive_k: bool | None = None  # None: the server's --adaptive-k (off for seeded requests); true: k is the cap
+    stages: list[str] | None = None  # the staged drafter's chain for this request, cheapest first
 
 
 class _Request(BaseModel):
@@ -234,6 +235,12 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionChunk(CompletionResponse):
+    # specserve's extension: the speculation counters of the choice that finishes in this chunk (null on
+    # every other chunk). Token counts travel only in ``usage`` on the last chunk, with include_usage.
+    speculative: SpeculativeUsage | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
@@ -254,6 +261,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    warnings: list[str] | None = None  # specserve's extension: what the server could not do as asked
 
 
 class ToolCallDelta(ToolCallModel):
@@ -284,7 +292,9 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = None  # only on the last chunk (choices: []), when stream_options.include_usage
+    speculative: SpeculativeUsage | None = None  # as in CompletionChunk: on the chunk that finishes a choice
+    warnings: list[str] | None = None  # as in ChatCompletionResponse: on the first chunk only
 
 
 class ModelCard(BaseModel):
@@ -292,6 +302,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
+    # specserve's extension: what "speculative": {"drafter": ...} may name now ("none" is the target alone)
+    drafters: list[str] = Field(default_factory=list)
+    default_drafter: str = "none"
 
 
 class ModelList(BaseModel):

@@ -37,6 +37,8 @@ class ServeSettings(BaseSettings):
     max_model_len: int | None = Field(default=None, ge=2)
     served_model_name: str | None = None
     seed: int | None = None
+    threads: int | None = Field(default=None, ge=1, description="CPU threads; none: the CPUs this process may use")
+    needs: str | None = Field(default=None, description="what a preset needs to run, said when it cannot start")
     adaptive_k: bool = False
     min_draft_confidence: float = Field(default=0.0, ge=0.0, lt=1.0)
     self_layers: str | None = Field(default=None, description="comma-separated layer indices for --drafter self")
@@ -59,12 +61,12 @@ class ServeSettings(BaseSettings):
 
     @property
     def resolved_draft(self) -> str | None:
-        """'auto': the default draft for the embedded model when the drafter uses a model, else none."""
+        """'auto': the embedded model's default draft, whatever the start-up drafter, so that requests
+        may still ask for the drafters that use it; other targets have no default draft."""
         if self.draft is None or self.draft.lower() == "none":
             return None
         if self.draft == "auto":
-            uses_model = self.drafter == "model" or (self.drafter == "staged" and "model" in self.stages.split(","))
-            return DEFAULT_DRAFT if self.target is None and uses_model else None
+            return DEFAULT_DRAFT if self.target is None else None
         return self.draft
 
     def engine_config(self) -> EngineConfig:
@@ -77,6 +79,7 @@ class ServeSettings(BaseSettings):
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            threads=self.threads,
             adaptive_k=self.adaptive_k,
             min_draft_confidence=self.min_draft_confidence,
             self_layers=_int_list(self.self_layers, "self_layers"),

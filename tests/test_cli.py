@@ -102,6 +102,7 @@ def test_the_terminal_chat_client_streams_replies_and_stats(server):
     assert result.returncode == 0, result.stderr
     stats = [line for line in result.stdout.splitlines() if line.startswith("[12 tokens")]
     assert len(stats) == 2 and "accepted" in stats[0]
+    assert "HTTP Request" not in result.stdout + result.stderr  # only the conversation and its stats
 
 
 def test_the_chat_client_reports_an_unreachable_server():

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import pytest
 from openai import OpenAI
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import REPO, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -72,3 +75,69 @@ def test_every_drafter_serves_the_default_model_with_greedy_output_unchanged(def
     assert stats["drafter"] == drafter and stats["drafted_tokens"] > 0
     if drafter == "ngram":  # copying a passage from the prompt: lookup drafts are mostly right
         assert stats["acceptance_rate"] > 0.6 and stats["mean_tokens_per_forward"] > 2
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_default_model_serves_greedy_chat_in_half_precision(tmp_path, dtype):
+    """float16 once failed every request: the NaN guard summed 49k half-precision logits into inf."""
+    server = start_server(["--dtype", dtype, "--max-model-len", "256"], tmp_path / "server.log")
+    try:
+        client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        for speculative in ({}, {"drafter": "none"}):
+            response = client.chat.completions.create(
+                model="", messages=messages, max_tokens=20, temperature=0, extra_body={"speculative": speculative}
+            )
+            assert "Paris" in response.choices[0].message.content
+            assert response.choices[0].finish_reason == "stop"
+        assert response.usage.model_extra["speculative"]["drafter"] == "none"
+    finally:
+        stop_server(server)
+
+
+# ---- the README's own snippets ------------------------------------------------------------------------
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+
+
+def test_readme_python_snippets_run_in_order(default_server):
+    namespace: dict = {}
+    for block in readme_blocks("python"):
+        exec(compile(block.replace("http://127.0.0.1:8000", default_server.url), "README.md", "exec"), namespace)
+
+
+def test_readme_curl_examples_run(default_server):
+    curls = [block for block in readme_blocks("bash") if block.startswith("curl")]
+    assert curls
+    for block in curls:
+        result = subprocess.run(
+            ["bash", "-c", block.replace("http://127.0.0.1:8000", default_server.url)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0 and '"error"' not in result.stdout, result.stdout + result.stderr
+
+
+def test_tools_the_template_leaves_out_are_reported(default_server):
+    client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=120)
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "What time is it?"}]
+    plain = client.chat.completions.create(model="", messages=messages, max_tokens=2)
+    with_tools = client.chat.completions.create(model="", messages=messages, tools=[tool], max_tokens=2)
+    assert plain.usage.prompt_tokens == with_tools.usage.prompt_tokens  # SmolLM2's template drops them
+    assert "leaves tools out" in with_tools.model_extra["warnings"][0] and plain.model_extra.get("warnings") is None
+    stream = client.chat.completions.create(model="", messages=messages, tools=[tool], max_tokens=2, stream=True)
+    chunks = list(stream)
+    assert "leaves tools out" in chunks[0].model_extra["warnings"][0]
+    assert all(chunk.model_extra.get("warnings") is None for chunk in chunks[1:])
+    assert default_server.log.read_text().count("leaves tools out") == 1  # logged once
+
+
+def test_the_log_has_plain_lines_and_load_times(default_server):
+    log = default_server.log.read_text()
+    assert "\r" not in log and "de-quantizing" not in log and "Loading weights" not in log  # no library bars
+    assert re.search(r"loaded SmolLM2-135M-Instruct: .* in \d+\.\d s", log)
+    assert re.search(r"loaded draft copy:bfloat16: .* in \d+\.\d s", log)

@@ -60,7 +60,8 @@ def test_chat_with_the_sdk_streaming_and_not(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(chunk.choices[0].delta.role is None for chunk in chunks[1:])
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == whole.choices[0].message.content
-    assert chunks[-1].usage.model_extra["speculative"]["drafted_tokens"] > 0
+    assert all(chunk.usage is None for chunk in chunks)  # usage only with stream_options.include_usage
+    assert chunks[-1].model_extra["speculative"]["drafted_tokens"] > 0  # on the chunk that finishes the choice
 
 
 def test_chat_content_parts_equal_plain_string(client):

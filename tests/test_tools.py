@@ -56,6 +56,8 @@ def test_named_tool_choice_streamed(client):
     chunks = [chunk for chunk in stream if chunk.choices]
     calls = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or []]
     assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    empty = [chunk for chunk in chunks[1:] if not chunk.choices[0].delta.model_dump(exclude_none=True)]
+    assert all(chunk.choices[0].finish_reason for chunk in empty)  # no empty deltas while the call forms
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == ""
     check_weather_call(calls[0])
 

@@ -70,6 +70,7 @@ def tiny_engine(
     num_draft_tokens: int = 4,
     eos: set[int] | None = None,
     max_model_len: int = 256,
+    tokenizer_size: int | None = None,
     **options,
 ) -> SpecEngine:
     """An engine on in-process models; ``options`` are further EngineConfig fields (drafter, ...)."""
@@ -82,7 +83,7 @@ def tiny_engine(
         max_model_len=max_model_len,
         **options,
     )
-    return build_engine(config, target, draft, eos or set())
+    return build_engine(config, target, draft, eos or set(), tokenizer_size)
 
 
 # Every drafting setup the exactness suite runs: name -> (needs a draft model, EngineConfig options).

@@ -84,11 +84,14 @@ class DraftResources:
 
 DrafterFactory = Callable[[DraftResources], Drafter]
 _REGISTRY: dict[str, DrafterFactory] = {}
+_REFINERS: set[str] = set()  # drafters with ``refine``: they can check and extend another stage's tokens
 
 
-def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+def register(name: str, refines: bool = False) -> Callable[[DrafterFactory], DrafterFactory]:
     def add(factory: DrafterFactory) -> DrafterFactory:
         _REGISTRY[name] = factory
+        if refines:
+            _REFINERS.add(name)
         return factory
 
     return add
@@ -96,6 +99,10 @@ def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
 
 def available() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def can_refine(name: str) -> bool:
+    return name in _REFINERS
 
 
 def build(name: str, resources: DraftResources) -> Drafter:

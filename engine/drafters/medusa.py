@@ -55,15 +55,26 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def load(cls, folder: Path) -> MedusaHeads:
-        config_path = folder / "config.json"
-        if not config_path.is_file():
-            raise ConfigError(f"no Medusa head checkpoint at {folder} (expected config.json and heads.safetensors)")
-        config = json.loads(config_path.read_text())
-        if config.get("format") != FORMAT:
-            raise ConfigError(f"{config_path}: format must be {FORMAT!r}, got {config.get('format')!r}")
+        config = check_checkpoint(folder)
         heads = cls(config["num_heads"], config["hidden_size"])
         heads.load_state_dict({k: v.float() for k, v in load_file(folder / "heads.safetensors").items()})
         return heads.eval().requires_grad_(False)
+
+
+def check_checkpoint(folder: Path) -> dict:
+    """The checkpoint's config, once it is known to be a Medusa head checkpoint with its weights."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"no Medusa head checkpoint at {folder} (expected config.json and heads.safetensors)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{config_path}: not JSON ({exc})") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        raise ConfigError(f"{config_path}: format must be {FORMAT!r}")
+    if not (folder / "heads.safetensors").is_file():
+        raise ConfigError(f"{folder}: heads.safetensors is missing")
+    return config
 
 
 class MedusaDrafter:

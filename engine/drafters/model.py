@@ -55,7 +55,7 @@ class ModelDrafter:
         self.draft.cache.rollback(min(num_committed, self.draft.cache.length))
 
 
-@register("model")
+@register("model", refines=True)
 def _build(resources: DraftResources) -> ModelDrafter:
     if resources.draft is None:
         raise ConfigError("the 'model' drafter needs a draft model (--draft REF)")

@@ -66,7 +66,7 @@ def default_layers(target: CausalLM, model_name: str) -> tuple[int, ...]:
     # the output distribution; see PERF notes: untrained early exit agrees with the target rarely).
     count = len(target.layers)
     layers = tuple(range(count // 4)) + tuple(range(count // 2, count))
-    log.warning(
+    log.info(
         "no self-speculation calibration for %s; using layers %s (run specserve calibrate-self)", model_name, layers
     )
     return layers

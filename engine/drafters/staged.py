@@ -8,7 +8,7 @@ checked by the draft model in one forward instead of k sequential draft steps.
 
 from __future__ import annotations
 
-from ..config import ConfigError
+from ..config import check_stages
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal, build, register
 
@@ -17,11 +17,7 @@ class StagedDrafter:
     name = "staged"
 
     def __init__(self, stages: list[Drafter]) -> None:
-        if len(stages) < 2:
-            raise ConfigError("the staged drafter needs at least two stages, e.g. ngram,model")
-        for stage in stages[1:]:
-            if not hasattr(stage, "refine"):
-                raise ConfigError(f"drafter {stage.name!r} cannot verify and extend another stage's tokens")
+        check_stages(tuple(stage.name for stage in stages))
         self.stages = stages
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -41,6 +37,4 @@ class StagedDrafter:
 
 @register("staged")
 def _build(resources: DraftResources) -> StagedDrafter:
-    if "staged" in resources.config.stages:
-        raise ConfigError("the staged drafter cannot contain itself")
     return StagedDrafter([build(name, resources) for name in resources.config.stages])

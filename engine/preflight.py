@@ -1,0 +1,73 @@
+"""Everything about a configuration that can be checked before any weights load.
+
+Each problem is one line a person can act on; loading a model only to fail on a setting wastes
+seconds to minutes and ends in a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, EngineConfig
+from .drafters import available
+from .drafters.medusa import check_checkpoint
+from .loader import COPY_PREFIX, locate
+
+
+def check_device(config: EngineConfig) -> list[str]:
+    if not config.device.startswith("cuda") or torch.cuda.is_available():
+        return []
+    why = "is a CPU-only build" if torch.version.cuda is None else "sees no NVIDIA GPU here"
+    return [
+        f"device {config.device!r}: no CUDA GPU can be used (torch {torch.__version__} {why}); "
+        "use --device cpu, or a CUDA build of torch on a machine with an NVIDIA GPU"
+    ]
+
+
+def num_layers(ref: str | None) -> int | None:
+    """The model's decoder layer count, from its config.json or GGUF metadata, without loading weights."""
+    where, extra = locate(ref)
+    if "gguf_file" in extra:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(Path(where) / extra["gguf_file"])
+        architecture = reader.fields["general.architecture"]
+        name = bytes(architecture.parts[architecture.data[0]]).decode()
+        field = reader.fields.get(f"{name}.block_count")
+        return None if field is None else int(field.parts[field.data[0]][0])
+    config_file = Path(where) / "config.json"
+    return json.loads(config_file.read_text()).get("num_hidden_layers") if config_file.is_file() else None
+
+
+def preflight(config: EngineConfig) -> list[str]:
+    """The problems with ``config`` that would stop it from serving, one line each (empty: go ahead)."""
+    problems = check_device(config)
+    refs = [("target", config.target)]
+    if config.draft is not None and not config.draft.startswith(COPY_PREFIX):
+        refs.append(("draft", config.draft))
+    located = {}
+    for role, ref in refs:
+        try:
+            locate(ref)
+            located[role] = ref
+        except ConfigError as exc:
+            problems.append(f"{role}: {exc}")
+    if config.drafter not in available():
+        problems.append(f"unknown drafter {config.drafter!r}; available: {', '.join(available())}")
+    if config.self_layers is not None:
+        if not config.self_layers:
+            problems.append("self_layers: give at least one layer index, e.g. 0,1,2,20,21")
+        count = num_layers(config.target) if "target" in located else None
+        bad = [layer for layer in config.self_layers if layer < 0 or (count is not None and layer >= count)]
+        if bad:
+            within = f"0..{count - 1}" if count is not None else "non-negative"
+            problems.append(f"self_layers: {bad} out of range; the target's layers are {within}")
+    if config.medusa_heads is not None:
+        try:
+            check_checkpoint(Path(config.medusa_heads))
+        except ConfigError as exc:
+            problems.append(f"medusa_heads: {exc}")
+    return problems
