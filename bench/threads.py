@@ -47,12 +47,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(code: Path, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def start(code: Path, extra: list[str], log: Path, more_env: dict) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--max-model-len", "1024", *extra]
     env = {
         key: value for key, value in os.environ.items() if not key.startswith(("OMP_", "KMP_", "GOMP_", "SPECSERVE_"))
     }
+    env.update(more_env)
     process = subprocess.Popen(command, cwd=code, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     return process, f"http://127.0.0.1:{port}"
 
@@ -81,8 +82,10 @@ def timed_request(url: str, max_tokens: int, results: list, timeout: float) -> N
         results.append({"seconds": None, "tokens": 0, "timed_out_after_s": timeout})
 
 
-def scenario(code: Path, processes: int, extra: list[str], max_tokens: int, timeout: float, logs: Path) -> dict:
-    servers = [start(code, extra, logs / f"server-{index}.log") for index in range(processes)]
+def scenario(
+    code: Path, processes: int, extra: list[str], max_tokens: int, timeout: float, logs: Path, env: dict
+) -> dict:
+    servers = [start(code, extra, logs / f"server-{index}.log", env) for index in range(processes)]
     try:
         for process, url in servers:
             wait_ready(url, process)
@@ -96,7 +99,7 @@ def scenario(code: Path, processes: int, extra: list[str], max_tokens: int, time
             worker.start()
         for worker in workers:
             worker.join()
-        return {"processes": processes, "args": extra, "requests": results}
+        return {"processes": processes, "args": extra, "env": env, "requests": results}
     finally:
         for process, _ in servers:
             process.terminate()
@@ -112,8 +115,11 @@ def main() -> None:
     parser.add_argument("--before", help="also run 'alone' and 'two' with the code of this commit")
     parser.add_argument("--max-tokens", type=int, default=105)
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds one request may take")
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the servers (repeatable)")
+    parser.add_argument("--only", help="run only the scenarios whose name contains this")
     parser.add_argument("--out", default=str(BENCH / "results" / "threads.json"))
     args = parser.parse_args()
+    env = dict(item.split("=", 1) for item in args.env)
     logs = Path(tempfile.mkdtemp(prefix="specserve-threads-"))
     plan = [("alone", REPO, 1, []), ("two", REPO, 2, []), ("two, --threads 1", REPO, 2, ["--threads", "1"])]
     worktree = None
@@ -127,8 +133,10 @@ def main() -> None:
     report = {"host": host(), "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d"), "scenarios": {}}
     try:
         for name, code, processes, extra in plan:
+            if args.only and args.only not in name:
+                continue
             print(f"{name} ...", file=sys.stderr, flush=True)
-            result = scenario(code, processes, extra, args.max_tokens, args.timeout, logs)
+            result = scenario(code, processes, extra, args.max_tokens, args.timeout, logs, env)
             report["scenarios"][name] = result
             print(f"  {json.dumps(result['requests'])}", file=sys.stderr, flush=True)
     finally:

@@ -31,9 +31,13 @@ class EngineConfig:
     self_layers: tuple[int, ...] | None = None  # layers the self drafter runs; None: calibrated or measured best
     medusa_heads: str | None = None  # a Medusa head checkpoint folder; None: the one shipped for the target
     stages: tuple[str, ...] = ("ngram", "model")  # the staged drafter's chain, cheapest first
+    suffix_global: bool = True  # the suffix drafter also matches recent outputs of the same tenant
+    suffix_cache_requests: int = 64  # how many recent outputs it keeps, across tenants; the oldest go first
     fault_injection: bool = False  # test hook: requests may ask to fail at a given step
 
     def __post_init__(self) -> None:
+        if self.suffix_cache_requests < 0:
+            raise ConfigError(f"suffix_cache_requests must be at least 0, got {self.suffix_cache_requests}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be at least 1, got {self.threads}")
         if self.num_draft_tokens < 0 or self.num_draft_tokens > 64:

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from .adaptive import AdaptiveK
-from .config import ConfigError, EngineConfig
+from .adaptive import AdaptiveK, StepCosts
+from .config import ConfigError, EngineConfig, check_stages
 from .drafters import Drafter, DraftResources, Proposal, available, build
 from .grammar import TokenConstraint
 from .model import CausalLM
 from .sampling import RequestSampler, SamplingParams
 from .spec import rejection_sample
 from .stats import SpecStats, StepRecord
+
+MAX_CHAINS = 16  # staged chains built for requests' own "stages", kept for reuse
 
 
 class PromptTooLong(ValueError):
@@ -54,6 +57,7 @@ class Request:
     drafter: str | None = None  # None: the engine's default drafter; "none": the target alone
     adaptive_k: bool | None = None  # None: the engine's default; True: num_draft_tokens is only the cap
     stages: tuple[str, ...] | None = None  # the staged drafter's chain for this request; None: the engine's
+    tenant: str = ""  # who sent it (API key and user): what drafters keep across requests stays within it
     grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
     fail_at_step: int | None = None  # test hook (EngineConfig.fault_injection): a fault in this step's forward
     fault_kind: str = "raise"  # which of FAULTS
@@ -135,7 +139,10 @@ class SpecEngine:
         self.vocab_size = min(sizes + ([tokenizer_size] if tokenizer_size else []))
         self._resources = DraftResources(config=config, target=target, draft=draft)
         self._drafters: dict[str, Drafter] = {}
-        self._policies: dict[str, AdaptiveK] = {}  # costs and acceptance, learned across requests
+        self._chains: OrderedDict[tuple[str, ...], Drafter] = (
+            OrderedDict()
+        )  # per-request staged chains, recent first out
+        self._costs: dict[str, StepCosts] = {}  # what each drafter's steps cost here, learned across requests
         # Every registered drafter is built now; what cannot run here (no draft model, no heads) is
         # remembered with its reason, so requests can still pick any of the others.
         self.drafter_problems: dict[str, str] = {}
@@ -152,27 +159,41 @@ class SpecEngine:
     @property
     def runnable_drafters(self) -> list[str]:
         """The drafters a request may ask for here, besides "none" (the target alone)."""
-        return sorted(self._drafters.keys() - self.drafter_problems.keys() - {k for k in self._drafters if ":" in k})
+        return sorted(self._drafters.keys() - self.drafter_problems.keys())
 
-    def drafter(self, name: str, stages: tuple[str, ...] | None = None) -> Drafter:
-        """The drafter registered as ``name`` (for ``staged``, over ``stages`` or the configured chain);
-        drafters share the loaded models. A ConfigError names the drafter and what can run instead."""
-        key = name if stages is None else f"{name}:{','.join(stages)}"
-        if key in self._drafters:
-            return self._drafters[key]
+    def check_drafter(self, name: str, stages: tuple[str, ...] | None = None) -> None:
+        """Raise a ConfigError, naming ``name`` and what can run instead, unless a request may use it.
+        Builds nothing, so the serving thread may call it while the engine runs."""
         runnable = ", ".join([*self.runnable_drafters, "none"])
         if name not in available():
             raise ConfigError(f"unknown drafter {name!r}; drafters that can run here: {runnable}")
-        if stages is None:
+        if stages is not None:
+            try:
+                check_stages(stages)
+            except ConfigError as exc:
+                raise ConfigError(f"drafter {name!r}: {exc}") from None
+            problems = [
+                f"{stage!r}: {self.drafter_problems[stage]}" for stage in stages if stage in self.drafter_problems
+            ]
+            if problems:
+                raise ConfigError(f"drafter {name!r} with stages {','.join(stages)} cannot run here: {problems[0]}")
+        elif name in self.drafter_problems:
             raise ConfigError(
                 f"drafter {name!r} cannot run here: {self.drafter_problems[name]}; drafters that can run here: {runnable}"
             )
-        resources = replace(self._resources, config=replace(self.config, stages=tuple(stages)))
-        try:
-            self._drafters[key] = build(name, resources)  # the config checks the chain
-        except ConfigError as exc:
-            raise ConfigError(f"drafter {name!r} with stages {','.join(stages)} cannot run here: {exc}") from None
-        return self._drafters[key]
+
+    def drafter(self, name: str, stages: tuple[str, ...] | None = None) -> Drafter:
+        """The drafter registered as ``name`` (for ``staged``, over ``stages`` or the configured chain);
+        drafters share the loaded models. Chains a request names are built here, in the engine thread."""
+        self.check_drafter(name, stages)
+        if stages is None:
+            return self._drafters[name]
+        if stages not in self._chains:
+            self._chains[stages] = build(name, replace(self._resources, config=replace(self.config, stages=stages)))
+            if len(self._chains) > MAX_CHAINS:  # requests choose chains: keep a bounded few
+                self._chains.popitem(last=False)
+        self._chains.move_to_end(stages)
+        return self._chains[stages]
 
     def reset(self) -> None:
         """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""
@@ -253,15 +274,17 @@ class SpecEngine:
         name = request.drafter or self.default_drafter
         if name == "none":  # the request asks for the target alone
             name = None
+        if name == "auto" and request.drafter is None and request.params.seed is not None:
+            name = self.drafter("auto").fixed_choice  # a seeded request must repeat: no timing-driven choices
         drafter = self.drafter(name, request.stages) if name is not None else None
         if drafter is not None:
-            drafter.begin(prompt)
+            drafter.begin(prompt, request.tenant)
         policy = None
         adaptive_k = request.adaptive_k
         if adaptive_k is None:  # k decides how many random draws a step takes: a seed needs a fixed k to repeat
             adaptive_k = self.config.adaptive_k and request.params.seed is None
         if drafter is not None and adaptive_k:
-            policy = self._policies.setdefault(name, AdaptiveK())
+            policy = AdaptiveK(self._costs.setdefault(name, StepCosts()))  # acceptance starts from the prior
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
@@ -324,7 +347,8 @@ class SpecEngine:
         if seq.drafter is not None:
             seq.drafter.accept(num_committed)
         n = verdict.num_accepted
-        record = StepRecord(k, n, drafted - started, time.perf_counter() - drafted, num_emitted=n + 1)
+        by = (proposal.drafter or seq.stats.drafter or "none") if k else "none"
+        record = StepRecord(k, n, drafted - started, time.perf_counter() - drafted, num_emitted=n + 1, drafter=by)
         if seq.policy is not None:
             seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds)
         return _StepResult(draft_ids[:n] + [verdict.next_token], logits[: n + 1], record)

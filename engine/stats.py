@@ -18,6 +18,7 @@ class StepRecord:
     draft_seconds: float
     verify_seconds: float
     num_emitted: int = 0  # tokens the step delivered: accepted drafts plus the resampled or bonus token
+    drafter: str = "none"  # who drafted this step (auto picks one per step); "none" when nothing was drafted
 
     def truncated(self, kept: int) -> StepRecord:
         """The same step when only its first ``kept`` tokens reach the client."""
@@ -35,6 +36,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps that kept draft position i
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    steps_by_drafter: dict[str, int] = field(default_factory=dict)  # who drafted each step ("none": nobody)
 
     def record(self, step: StepRecord) -> None:
         self._count(step, 1)
@@ -54,10 +56,13 @@ class SpecStats:
             self.accepted_per_position.extend([0] * (step.num_accepted - len(self.accepted_per_position)))
         for position in range(step.num_accepted):
             self.accepted_per_position[position] += sign
+        self.steps_by_drafter[step.drafter] = self.steps_by_drafter.get(step.drafter, 0) + sign
 
     def copy(self) -> SpecStats:
         """A snapshot that later steps do not change."""
-        return replace(self, accepted_per_position=list(self.accepted_per_position))
+        return replace(
+            self, accepted_per_position=list(self.accepted_per_position), steps_by_drafter=dict(self.steps_by_drafter)
+        )
 
     def add(self, other: SpecStats) -> None:
         """Fold another request's counters in (for usage over several choices)."""
@@ -66,6 +71,8 @@ class SpecStats:
             if position == len(self.accepted_per_position):
                 self.accepted_per_position.append(0)
             self.accepted_per_position[position] += count
+        for name, steps in other.steps_by_drafter.items():
+            self.steps_by_drafter[name] = self.steps_by_drafter.get(name, 0) + steps
         self.drafted_tokens += other.drafted_tokens
         self.accepted_tokens += other.accepted_tokens
         self.target_forwards += other.target_forwards
@@ -97,4 +104,5 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "draft_seconds": round(self.draft_seconds, 6),
             "verify_seconds": round(self.verify_seconds, 6),
+            "steps_by_drafter": {name: steps for name, steps in self.steps_by_drafter.items() if steps},
         }

@@ -5,14 +5,15 @@ replica on the same cores make that count wrong; and an OpenMP team that spins w
 holds cores another process needs, so two processes on the same cores slow each other down far
 more than sharing alone would.
 
-Measured on a 2-core host (SmolLM2-135M float32, one-token forward, median ms; two processes
-decoding at once; `bench/threads.py` measures whole requests):
+Measured on a 2-core host (`bench/threads.py`: the README's chat request, 105 tokens, the embedded
+default, seconds; "two" runs one request on each of two processes at once):
 
-| libgomp waiting | alone | two processes |
-|---|---|---|
-| default (spin 300,000 times, then sleep) | 79-91 | 222-259 |
-| spin 10,000 times, then sleep (chosen) | 87-99 | 107 |
-| sleep at once (OMP_WAIT_POLICY=PASSIVE) | 100-120 | 96-127 |
+| OpenMP waiting | alone | two, 2 threads each | two, 1 thread each |
+|---|---|---|---|
+| libgomp default: spin 300,000 times, then sleep | 7.3 | 41.5 | |
+| spin 10,000 times | 7.8 | 33.4 | 10.1 |
+| spin 1,000 times (the default here) | 8.6 | 14.5 | 10.7 |
+| sleep at once (OMP_WAIT_POLICY=PASSIVE) | 9.1 | 12.4 | 9.6 |
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import math
 import os
 from pathlib import Path
 
-SPIN_COUNT = "10000"
+SPIN_COUNT = "1000"
 CGROUP = Path("/sys/fs/cgroup")
 
 

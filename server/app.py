@@ -113,6 +113,7 @@ async def model(model_id: str, request: Request) -> ModelCard:
 @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
     serving = _serving(request)
+    body.from_caller(request.headers.get("authorization"))
     if body.stream:
         return sse_response(await serving.completion_stream(body))
     return await _unless_disconnected(request, serving.completion(body))
@@ -121,6 +122,7 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     serving = _serving(request)
+    body.from_caller(request.headers.get("authorization"))
     if body.stream:
         return sse_response(await serving.chat_stream(body))
     return await _unless_disconnected(request, serving.chat(body))

@@ -20,10 +20,8 @@ from .protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     ResponseFormat,
-    SpeculativeUsage,
     ToolCallDelta,
     TopLogprob,
-    Usage,
     new_id,
     now,
 )
@@ -139,19 +137,7 @@ class ChatServing(ServingCore):
     async def _chat_chunks(
         self, body: ChatCompletionRequest, choices: list[Choice]
     ) -> AsyncIterator[ChatCompletionChunk]:
-        request_id, created, totals = new_id("chatcmpl"), now(), UsageTotals()
-
-        def chunk(
-            choices: list[ChatChunkChoice], usage: Usage | None = None, speculative: SpeculativeUsage | None = None
-        ) -> ChatCompletionChunk:
-            return ChatCompletionChunk(
-                id=request_id,
-                created=created,
-                model=self.model_name,
-                choices=choices,
-                usage=usage,
-                speculative=speculative,
-            )
+        chunk, totals = self._stream_chunks(ChatCompletionChunk, "chatcmpl"), UsageTotals()
 
         for choice in choices:
             first = chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
@@ -183,4 +169,4 @@ class ChatServing(ServingCore):
                 )
                 yield chunk([chunk_choice], speculative=delta.speculative())
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], totals.usage())
+            yield chunk([], usage=totals.usage())

@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--stages", help="the staged drafter's chain, cheapest first (default ngram,model)")
     serve.add_argument(
+        "--suffix-global",
+        choices=["on", "off"],
+        help="suffix drafter: also match recent outputs of the same API key and user (default on)",
+    )
+    serve.add_argument("--suffix-cache-requests", type=int, help="suffix drafter: recent outputs kept (default 64)")
+    serve.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="prompts are logged at debug only"
     )
     serve.add_argument("--log-format", choices=["text", "json"], help="json: one JSON object per log line")

@@ -13,8 +13,6 @@ from .protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    SpeculativeUsage,
-    Usage,
     new_id,
     now,
 )
@@ -106,19 +104,7 @@ class CompletionsServing(ServingCore):
     async def _completion_chunks(
         self, body: CompletionRequest, choices: list[Choice]
     ) -> AsyncIterator[CompletionChunk]:
-        request_id, created, totals = new_id("cmpl"), now(), UsageTotals()
-
-        def chunk(
-            choices: list[CompletionChoice], usage: Usage | None = None, speculative: SpeculativeUsage | None = None
-        ) -> CompletionChunk:
-            return CompletionChunk(
-                id=request_id,
-                created=created,
-                model=self.model_name,
-                choices=choices,
-                usage=usage,
-                speculative=speculative,
-            )
+        chunk, totals = self._stream_chunks(CompletionChunk, "cmpl"), UsageTotals()
 
         for choice in choices:
             offset, echoed = 0, False
@@ -148,4 +134,4 @@ class CompletionsServing(ServingCore):
                     speculative=delta.speculative(),
                 )
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], totals.usage())
+            yield chunk([], usage=totals.usage())

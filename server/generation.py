@@ -7,8 +7,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -31,6 +32,8 @@ from .protocol import (
     TokenizeResponse,
     Usage,
     _Request,
+    new_id,
+    now,
 )
 from .tools import ToolPlan
 
@@ -40,6 +43,7 @@ MAX_LOGIT_BIAS = 300  # entries, as in OpenAI's API
 MAX_CHOICES = 64  # prompts x n in one request: they run one after another
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -187,7 +191,7 @@ class ServingCore:
                 drafter, stages = "staged", tuple(stages)
             if drafter is not None and drafter != "none":
                 try:
-                    self.engine.engine.drafter(drafter, stages)
+                    self.engine.engine.check_drafter(drafter, stages)
                 except ConfigError as exc:
                     param = "speculative.stages" if stages is not None else "speculative.drafter"
                     raise BadRequest(str(exc), param) from exc
@@ -224,9 +228,18 @@ class ServingCore:
             for j in range(n):
                 seed = None if params.seed is None else (params.seed + j) % 2**63
                 choice_params = replace(params, seed=seed)
-                request = Request(uuid.uuid4().hex, prompt_ids, choice_params, **options)
+                request = Request(uuid.uuid4().hex, prompt_ids, choice_params, tenant=body.tenant, **options)
                 choices.append(Choice(i * n + j, request, j == 0, echoes[i], deadline=deadline))
         return choices
+
+    def _stream_chunks(self, chunk_type: type[T], prefix: str) -> Callable[..., T]:
+        """``chunk(choices, **fields)`` builds one stream's next chunk; all share an id and a time."""
+        request_id, created = new_id(prefix), now()
+
+        def chunk(choices: list, **fields) -> T:
+            return chunk_type(id=request_id, created=created, model=self.model_name, choices=choices, **fields)
+
+        return chunk
 
     # ---- /tokenize, /detokenize ---------------------------------------------------------------
 

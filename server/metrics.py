@@ -65,7 +65,8 @@ class Metrics:
         )
 
     def observe_step(self, drafter: str | None, record: StepRecord) -> None:
-        drafter = drafter or "none"
+        """``drafter``: the request's. Under auto the label also names the drafter it chose, e.g. auto/suffix."""
+        drafter = f"auto/{record.drafter}" if drafter == "auto" else (drafter or "none")
         self.verify_time.labels(drafter).observe(record.verify_seconds)
         if record.num_drafted == 0:
             return

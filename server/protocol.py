@@ -6,12 +6,13 @@ Requests accept unknown extra fields (clients send many); known fields are valid
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
@@ -47,6 +48,15 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1)
     user: str | None = None
     speculative: SpeculativeOptions | None = None
+    _credential: str = PrivateAttr(default="")  # a digest of the caller's API key, set by the route
+
+    def from_caller(self, authorization: str | None) -> None:
+        """Record who sent this: what drafters keep across requests stays within one key and user."""
+        self._credential = hashlib.sha256((authorization or "").encode()).hexdigest()[:16] if authorization else ""
+
+    @property
+    def tenant(self) -> str:
+        return f"{self._credential}/{self.user or ''}"
 
 
 class StreamOptions(BaseModel):
@@ -186,6 +196,7 @@ class SpeculativeUsage(BaseModel):
     accepted_per_position: list[int]
     draft_seconds: float
     verify_seconds: float
+    steps_by_drafter: dict[str, int] = Field(default_factory=dict)  # who drafted each step (auto picks per step)
 
 
 class Usage(BaseModel):

@@ -44,6 +44,10 @@ class ServeSettings(BaseSettings):
     self_layers: str | None = Field(default=None, description="comma-separated layer indices for --drafter self")
     medusa_heads: str | None = None
     stages: str = "ngram,model"
+    suffix_global: bool = Field(
+        default=True, description="suffix drafter: also match recent outputs of the same tenant"
+    )
+    suffix_cache_requests: int = Field(default=64, ge=0, description="suffix drafter: recent outputs kept, all tenants")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     # production
@@ -85,6 +89,8 @@ class ServeSettings(BaseSettings):
             self_layers=_int_list(self.self_layers, "self_layers"),
             medusa_heads=self.medusa_heads,
             stages=tuple(name.strip() for name in self.stages.split(",") if name.strip()),
+            suffix_global=self.suffix_global,
+            suffix_cache_requests=self.suffix_cache_requests,
             fault_injection=self.fault_injection,
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.adaptive import AdaptiveK
+from engine.adaptive import AdaptiveK, StepCosts
 from engine.config import ConfigError
 from engine.drafters.medusa import MedusaHeads
 from engine.drafters.ngram import NgramDrafter
@@ -73,12 +73,12 @@ def test_medusa_drafts_from_the_second_step_on():
 
 
 def test_adaptive_k_prefers_plain_decoding_when_drafts_are_costly_and_rejected():
-    policy = AdaptiveK(alpha=0.1, draft_cost=0.05, verify_cost={0: 0.03, 6: 0.04})
+    policy = AdaptiveK(StepCosts(0.05, {0: 0.03, 6: 0.04}), alpha=0.1)
     assert policy.choose(6) == 0
 
 
 def test_adaptive_k_drafts_long_when_drafts_are_cheap_and_accepted():
-    policy = AdaptiveK(alpha=0.9, draft_cost=0.002, verify_cost={0: 0.03, 6: 0.035})
+    policy = AdaptiveK(StepCosts(0.002, {0: 0.03, 6: 0.035}), alpha=0.9)
     assert policy.choose(6) == 6
     assert policy.choose(2) == 2  # never past what the request allows
 
@@ -106,3 +106,14 @@ def test_only_an_explicit_draft_none_skips_the_embedded_default_draft():
     for drafter in ("ngram", "self", "medusa", "staged"):
         assert ServeSettings.load(None, {"drafter": drafter}).resolved_draft == "copy:bfloat16"
         assert ServeSettings.load(None, {"drafter": drafter, "draft": "none"}).resolved_draft is None
+
+
+def test_adaptive_k_keeps_costs_across_requests_but_acceptance_per_request():
+    """Chat prompts must not drag a code request's acceptance down: only the costs are shared."""
+    target = tiny_llama(seed=7, vocab_size=64, init=0.2)
+    engine = setup_engine("model-adaptive-k", target, perturbed_copy(target, 0.05, 2), num_draft_tokens=4)
+    seq = engine._begin(Request("a", [1, 2, 3], SamplingParams(max_tokens=8)))
+    seq.policy.alpha = 0.05
+    seq.policy.costs.observe(0, 0.0, 0.02)
+    again = engine._begin(Request("b", [1, 2, 3], SamplingParams(max_tokens=8)))
+    assert again.policy.alpha == 0.7 and again.policy.costs is seq.policy.costs

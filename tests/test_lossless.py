@@ -19,7 +19,7 @@ from tests.tiny import DRAFTER_SETUPS, perturbed_copy, setup_engine, tiny_engine
 
 VOCAB = 8
 PROMPT = [1, 5, 2, 7, 1, 5]  # repeats, so n-gram lookup has something to propose
-SAMPLES = 3000
+SAMPLES = 2000  # enough: replacing the residual max(0, p - q) by p is rejected at p ~ 1e-15 to 1e-18
 ALPHA = 1e-3  # a correct sampler fails this by chance once in a thousand runs; the seeds are fixed
 
 
@@ -97,7 +97,10 @@ CASES = [
 ]
 # The model drafter runs every case; the others run two that cover chains and history. Medusa drafts
 # from the second step on (it needs the target's hidden state), so it needs three-token continuations.
-CASES_FOR = {"medusa": ("3tok-topk-topp", "3tok-penalties")}
+CASES_FOR = {
+    "medusa": ("3tok-topk-topp", "3tok-penalties"),
+    "suffix": ("2tok-topk",),  # deterministic proposals, verified one-hot like ngram (which runs both)
+}
 MATRIX = [
     pytest.param("float32", setup, *case.values, id=f"float32-{setup}-{case.id}")
     for setup in DRAFTER_SETUPS
@@ -108,7 +111,7 @@ MATRIX = [
     for dtype in ("bfloat16", "float16")
     for setup in HALF_PRECISION_SETUPS
     for case in CASES
-    if case.id == "2tok-topk" or (setup == "model" and case.id == "3tok-penalties")
+    if case.id == "2tok-topk"
 ]
 
 
@@ -209,7 +212,7 @@ def first_divergence(expected: list[int], actual: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b), None)
 
 
-@pytest.mark.parametrize("num_draft_tokens", [1, 2, 4, 7])
+@pytest.mark.parametrize("num_draft_tokens", [1, 4])
 @pytest.mark.parametrize("setup", HALF_PRECISION_SETUPS)
 @pytest.mark.parametrize("dtype", list(NEAR_TIE))
 def test_half_precision_greedy_diverges_from_target_greedy_only_at_near_ties(dtype, setup, num_draft_tokens):

@@ -92,6 +92,8 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
     "model-adaptive-k": (True, {"drafter": "model", "adaptive_k": True}),
     "model-confidence-cutoff": (True, {"drafter": "model", "min_draft_confidence": 0.3}),
     "ngram": (False, {"drafter": "ngram"}),
+    "suffix": (False, {"drafter": "suffix"}),
+    "auto": (True, {"drafter": "auto"}),  # setup_engine makes it switch drafters at every step
     "self": (False, {"drafter": "self", "self_layers": (0,)}),
     "staged-ngram-model": (True, {"drafter": "staged", "stages": ("ngram", "model")}),
     "staged-self-model": (True, {"drafter": "staged", "stages": ("self", "model"), "self_layers": (1,)}),
@@ -115,7 +117,10 @@ def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, 
     needs_draft, options = DRAFTER_SETUPS[setup]
     if options["drafter"] == "medusa":
         options = {**options, "medusa_heads": str(random_medusa_heads(target.config.hidden_size))}
-    return tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
+    engine = tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
+    if options["drafter"] == "auto":  # try another candidate every step: choices change mid-request
+        engine.drafter("auto").probe_every = 1
+    return engine
 
 
 def save_tiny(folder: Path, seed: int, tokenizer: PreTrainedTokenizerFast, **kwargs) -> Path:

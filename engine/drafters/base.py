@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class Proposal:
     token_ids: torch.Tensor  # [k] int64
     probs: torch.Tensor | None  # [k, V] the distributions the tokens were drawn from; None for deterministic drafts
+    drafter: str | None = None  # who proposed, when a drafter delegates (auto); None: the drafter asked
 
     @staticmethod
     def empty(device: torch.device) -> Proposal:
@@ -32,8 +33,9 @@ class Drafter(Protocol):
 
     name: str
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        """A new request starts with ``prompt_ids``; reuse whatever state still matches."""
+    def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
+        """A new request starts with ``prompt_ids``; reuse whatever state still matches. ``tenant``
+        (API key and user) scopes anything a drafter keeps across requests."""
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         """Propose up to ``num_draft_tokens`` tokens to follow ``token_ids`` (the committed sequence)."""

@@ -87,7 +87,7 @@ class MedusaDrafter:
         self.heads = heads.to(device=target.device, dtype=target.dtype)
         self._hidden: torch.Tensor | None = None  # [E] normalised hidden state of the last committed position
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         self._hidden = None  # the first step runs the target alone and yields the first hidden state
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ class ModelDrafter:
         self.draft = draft
         self.min_confidence = min_confidence  # stop drafting once q's top probability falls below this
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         self.draft.cache.reuse_prefix(prompt_ids)
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:

@@ -21,7 +21,7 @@ class NgramDrafter:
         self._index: dict[int, dict[tuple[int, ...], int]] = {}  # n -> n-gram -> index after its latest occurrence
         self._indexed = 0  # n-grams ending before this position are in the index
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         self._index = {n: {} for n in self.sizes}
         self._indexed = 0
 

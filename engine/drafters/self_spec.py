@@ -33,7 +33,7 @@ class SelfDrafter:
         self.target = target
         self.layers = tuple(sorted(set(layers)))
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         """The draft reads the target's own cache: nothing of its own to prepare."""
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:

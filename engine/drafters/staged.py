@@ -20,9 +20,9 @@ class StagedDrafter:
         check_stages(tuple(stage.name for stage in stages))
         self.stages = stages
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         for stage in self.stages:
-            stage.begin(prompt_ids)
+            stage.begin(prompt_ids, tenant)
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         proposal = self.stages[0].propose(token_ids, num_draft_tokens, sampler)

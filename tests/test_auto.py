@@ -1,0 +1,68 @@
+"""The auto drafter: candidates chosen per step by expected tokens per second, acceptance per
+request, costs shared, and every choice from past steps only. Exactness lives in test_lossless.py
+(there auto switches candidates at every step)."""
+
+from __future__ import annotations
+
+from engine.adaptive import StepCosts
+from engine.engine import Request
+from engine.sampling import SamplingParams
+from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
+
+
+def auto_engine(noise: float = 0.05):
+    target = tiny_llama(seed=3, vocab_size=96, init=0.2)
+    return tiny_engine(target, perturbed_copy(target, noise, seed=1), drafter="auto", num_draft_tokens=4)
+
+
+def test_candidates_are_what_can_run_here():
+    assert set(auto_engine().drafter("auto").candidates) == {"suffix", "model", "staged"}
+    alone = tiny_engine(tiny_llama(seed=3, vocab_size=96), None, drafter="auto")
+    assert set(alone.drafter("auto").candidates) == {"suffix"}
+
+
+def test_the_choice_follows_cost_and_acceptance():
+    auto = auto_engine().drafter("auto")
+    auto.begin([1, 2, 3])
+    auto.verify = StepCosts(0.0, {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036})
+    auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(0.010), "staged": StepCosts(0.012)}
+    auto._request.alpha = {"suffix": 0.1, "model": 0.9, "staged": 0.5}
+    assert auto._choose(4) == ("model", 4)
+    auto._request.alpha["suffix"] = 0.9  # as good and nearly free
+    assert auto._choose(4) == ("suffix", 4)
+    auto._request.alpha = {"suffix": 0.05, "model": 0.05, "staged": 0.05}
+    assert auto._choose(4) == (None, 0)  # nothing pays: plain decoding
+    assert auto._choose(0) == (None, 0)
+
+
+def test_steps_report_who_drafted_and_greedy_output_is_the_targets():
+    engine = auto_engine()
+    engine.drafter("auto").probe_every = 1
+    target_only = tiny_engine(engine.target.hf_model, None)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = [5, 9, 11, 5, 9, 11, 5, 9]
+    outputs = list(engine.generate(Request("a", prompt, params)))
+    expected = [t for o in target_only.generate(Request("t", prompt, params)) for t in o.token_ids]
+    assert [t for o in outputs for t in o.token_ids] == expected
+    used = outputs[-1].stats.steps_by_drafter
+    assert outputs[-1].stats.drafter == "auto" and len({name for name in used if name != "none"}) >= 2
+
+
+def test_acceptance_is_learned_per_request_and_costs_across_requests():
+    engine = auto_engine(noise=2.0)  # a draft that disagrees: model acceptance falls within the request
+    auto = engine.drafter("auto")
+    engine._seeds.manual_seed(0)
+    params = SamplingParams(max_tokens=40, temperature=1.0)
+    list(engine.generate(Request("a", [1, 2, 3], params, drafter="auto")))
+    assert all(costs.draft is not None for costs in auto.draft_costs.values())  # measured, kept for later
+    assert auto._request.alpha["model"] < 0.7
+    auto.begin([4, 5, 6])
+    assert auto._request.alpha["model"] == 0.7  # the next request starts from the prior
+
+
+def test_a_seeded_request_under_an_auto_default_runs_a_fixed_drafter():
+    engine = auto_engine()
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    runs = [list(engine.generate(Request(str(i), [1, 2, 3], params))) for i in range(3)]
+    assert {outputs[-1].stats.drafter for outputs in runs} == {"model"}
+    assert len({tuple(t for o in outputs for t in o.token_ids) for outputs in runs}) == 1

@@ -1,0 +1,78 @@
+"""The suffix drafter: continuations of the longest matching suffix, within a request and across a
+tenant's recent outputs, bounded, and never across tenants. Exactness lives in test_lossless.py."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.drafters.suffix import ContinuationIndex, SuffixCache, SuffixDrafter
+from engine.engine import Request
+from engine.sampling import SamplingParams
+from tests.tiny import tiny_engine, tiny_llama
+
+CPU = torch.device("cpu")
+
+
+def proposed(drafter: SuffixDrafter, tokens: list[int], k: int = 8) -> list[int]:
+    return drafter.propose(tokens, k, None).token_ids.tolist()
+
+
+def test_the_longest_match_picks_the_most_frequent_continuation():
+    index = ContinuationIndex(max_match=4)
+    index.add([1, 2, 3, 9, 1, 2, 3, 9, 5, 2, 3, 7])
+    assert index.longest_match([8, 1, 2, 3]) == (3, {9: 2})  # "1 2 3" was followed by 9 twice
+    n, counts = index.longest_match([8, 2, 3])
+    assert n == 2 and counts == {9: 2, 7: 1}
+    assert index.longest_match([42]) == (0, None)
+
+
+def test_a_repeated_passage_is_drafted_and_the_length_follows_the_match():
+    drafter = SuffixDrafter(CPU, None)
+    drafter.begin([])
+    passage = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    assert proposed(drafter, passage + [50] + passage[:6], k=8) == passage[6:] + [50] + passage[:3]
+    drafter.begin([])
+    # a one-token match drafts at most two tokens
+    assert len(proposed(drafter, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1], k=8)) == 2
+    assert drafter.propose([1, 2, 3], 4, None).probs is None  # deterministic: verified as one-hot
+
+
+def test_an_uncertain_continuation_is_not_drafted():
+    drafter = SuffixDrafter(CPU, None)
+    drafter.begin([])
+    # after 7 came eleven different tokens once each: none reaches the probability cutoff (0.1)
+    assert proposed(drafter, [t for follower in range(20, 31) for t in (7, follower)] + [7]) == []
+
+
+def test_outputs_are_shared_within_a_tenant_and_never_across():
+    cache = SuffixCache(max_requests=8)
+    drafter = SuffixDrafter(CPU, cache)
+    answer = [30, 31, 32, 33, 34, 35, 36, 37]
+    drafter.begin([1, 2], tenant="key-a/")
+    drafter.propose([1, 2, *answer], 4, None)  # the request's sequence, as the engine passes it
+    drafter.begin([3, 4], tenant="key-a/")  # the first request's output joins key-a's index
+    assert proposed(drafter, [3, 4, 30, 31, 32], k=4) == [33, 34, 35, 36]
+    drafter.begin([3, 4], tenant="key-b/")
+    assert proposed(drafter, [3, 4, 30, 31, 32], k=4) == []
+    assert cache.stats["tenants"] == 1
+
+
+def test_the_shared_cache_is_bounded_and_forgets_the_oldest():
+    cache = SuffixCache(max_requests=2)
+    for start in (100, 200, 300):
+        cache.add("t", list(range(start, start + 5)))
+    index = cache.index("t")
+    assert index.longest_match([101])[1] is None and index.longest_match([301])[1] == {302: 1}
+    assert cache.stats["requests"] == 2
+    for start in (400, 500):
+        cache.add("t", list(range(start, start + 5)))
+    assert cache.index("t").size == 2 * (1 + 2 + 3 + 4)  # n-grams of the last two outputs only
+
+
+def test_global_matching_can_be_turned_off():
+    engine = tiny_engine(tiny_llama(seed=1, vocab_size=64), None, drafter="suffix", suffix_global=False)
+    assert engine.drafter("suffix").cache is None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = [t for o in engine.generate(Request("a", [5, 6, 7], params)) for t in o.token_ids]
+    second = list(engine.generate(Request("b", [8, 9, *first[:4]], params)))
+    assert second[-1].stats.drafter == "suffix"
