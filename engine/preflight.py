@@ -48,19 +48,19 @@ def preflight(config: EngineConfig) -> list[str]:
     refs = [("target", config.target)]
     if config.draft is not None and not config.draft.startswith(COPY_PREFIX):
         refs.append(("draft", config.draft))
-    located = {}
+    missing = set()
     for role, ref in refs:
         try:
             locate(ref)
-            located[role] = ref
         except ConfigError as exc:
+            missing.add(role)
             problems.append(f"{role}: {exc}")
     if config.drafter not in available():
         problems.append(f"unknown drafter {config.drafter!r}; available: {', '.join(available())}")
     if config.self_layers is not None:
         if not config.self_layers:
             problems.append("self_layers: give at least one layer index, e.g. 0,1,2,20,21")
-        count = num_layers(config.target) if "target" in located else None
+        count = num_layers(config.target) if "target" not in missing else None
         bad = [layer for layer in config.self_layers if layer < 0 or (count is not None and layer >= count)]
         if bad:
             within = f"0..{count - 1}" if count is not None else "non-negative"

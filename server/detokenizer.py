@@ -6,24 +6,11 @@ import json
 import re
 
 from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 REPLACEMENT = "\ufffd"
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's tokens for single raw bytes
 METASPACE = "\u2581"  # SentencePiece's visible space
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE (GPT-2 and most current tokenizers) writes each byte as one printable
-    character: printable Latin-1 bytes stand for themselves, the rest map to chr(256 + n)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    alphabet, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            alphabet[chr(byte)] = byte
-        else:
-            alphabet[chr(256 + extra)] = byte
-            extra += 1
-    return alphabet
 
 
 class TokenBytes:
@@ -35,7 +22,8 @@ class TokenBytes:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         decoder = json.dumps(json.loads(backend.to_str()).get("decoder")) if backend is not None else ""
         self.byte_level = '"ByteLevel"' in decoder
-        self._alphabet = _byte_level_alphabet()
+        # byte-level BPE (GPT-2 and most current tokenizers) writes each byte as one printable character
+        self._alphabet = {char: byte for byte, char in bytes_to_unicode().items()}
         self._added = {index: token.content for index, token in tokenizer.added_tokens_decoder.items()}
 
     def __call__(self, token_id: int) -> bytes:
