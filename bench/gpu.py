@@ -1,23 +1,31 @@
-"""Step costs of speculative decoding on one GPU, with random-weight models built from configs.
+"""Step costs of speculative decoding on one GPU, eager against CUDA graphs, with random-weight
+models built from configs (no download).
 
-    bash bench/gpu.sh                 # Llama-3-8B-shaped target, Llama-3.2-1B-shaped draft, bfloat16
-    python bench/gpu.py --smoke       # tiny models on CPU: checks the script end to end
+    bash bench/gpu.sh                 # Llama-3-8B-shaped target, Llama-3.2-1B-shaped draft, bf16 and fp16
+    python bench/gpu.py --smoke       # tiny models on CPU (compiled instead of captured): checks the script
 
-Random weights make acceptance meaningless, so this measures what does not depend on it: the
-target forward at 1 and k+1 new tokens, one draft decode step, the achieved fraction of the
-memory-bandwidth bound, and tokens/s when acceptance is forced to 0.6, 0.8 and 1.0. A forced
-step runs the real forwards (k draft steps, one verify over k+1 tokens) and then rolls both caches
-back to a number of accepted tokens drawn from the truncated geometric law of that rate.
-Writes one JSON file (bench/results/gpu.json, or under $OUT when set).
+Random weights make acceptance meaningless, so this measures what does not depend on it, for each
+dtype and each way of running the forward (eager; CUDA graphs as ``engine/runner.py`` captures them):
+- the target's 1-token step, its verify at k + 1 = 2..9 tokens, and the draft's 1-token step;
+- the achieved fraction of the HBM bound (weight bytes over measured read bandwidth);
+- tokens/s when acceptance is forced to 0.6, 0.8 and 1.0 (k = 4): each step runs the real
+  forwards (k draft steps fed their own argmax on the device, one verify of k + 1 tokens, one
+  transfer to the host), then rolls both caches back to a number of accepted tokens drawn from
+  the truncated geometric law of that rate; and the tokens/s that the step costs predict;
+- what the attention window costs: the 1-token step at 4k and 32k cache sizes, near the start
+  and near the end of the cache (reads should follow the live context, not the cache size).
+Writes one JSON file (bench/results/gpu.json, or $OUT/gpu.json when OUT is set).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -25,6 +33,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.model import CausalLM
+from engine.runner import GraphRunner
 
 SHAPES = {
     # Llama-3-8B and Llama-3.2-1B shapes (same 128k vocabulary)
@@ -43,9 +52,10 @@ SMOKE_SHAPES = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     ),
 }
+ALPHAS = (0.6, 0.8, 1.0)
 
 
-def build(shape: dict, vocab: int, device: torch.device, dtype: torch.dtype, max_len: int) -> CausalLM:
+def build(shape: dict, vocab: int, device: torch.device, dtype: torch.dtype, max_len: int) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(8192, max_len), rope_theta=500000.0, **shape)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -54,9 +64,10 @@ def build(shape: dict, vocab: int, device: torch.device, dtype: torch.dtype, max
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
-    for param in model.parameters():
-        param.data.normal_(0.0, 0.02)
-    return CausalLM(model, max_len)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    return model
 
 
 def sync(device: torch.device) -> None:
@@ -73,7 +84,7 @@ def median_seconds(fn, device: torch.device, repeats: int) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def read_bandwidth(device: torch.device, megabytes: int) -> float:
@@ -81,99 +92,279 @@ def read_bandwidth(device: torch.device, megabytes: int) -> float:
     return data.nbytes / median_seconds(lambda: data.sum(), device, 9)
 
 
-def forward_cost(model: CausalLM, context: list[int], new_tokens: int, device: torch.device, repeats: int) -> float:
+def step_cost(model: CausalLM, context: int, new_tokens: int, device: torch.device, repeats: int) -> float:
+    """Seconds for one forward of ``new_tokens`` after ``context`` cached tokens."""
+    tokens = torch.ones(new_tokens, dtype=torch.long, device=device)
+
     def run() -> None:
-        model.cache.rollback(len(context))
-        model.extend(context[-1:] * new_tokens, num_logits=new_tokens)
+        model.cache.rollback(context)
+        model.extend(tokens, num_logits=new_tokens)
 
     return median_seconds(run, device, repeats)
 
 
 def forced_acceptance(
-    target: CausalLM, draft: CausalLM, context: list[int], k: int, alpha: float, new_tokens: int, device, seed: int
-) -> dict:
-    """Decode ``new_tokens`` with real forwards, accepting a truncated-geometric(alpha) number each step."""
+    target: CausalLM, draft: CausalLM, context: int, k: int, alpha: float, new_tokens: int, device, seed: int
+) -> float:
+    """Tokens/s decoding ``new_tokens`` with real forwards, accepting truncated-geometric(alpha) drafts."""
     draws = random.Random(seed)
-    target.cache.rollback(len(context))
-    draft.cache.rollback(len(context))
-    produced, steps = 0, 0
+    target.cache.rollback(context)
+    draft.cache.rollback(context)
+    pending = torch.ones(1, dtype=torch.long, device=device)  # [1] the token the target has not seen
+    produced = 0
     sync(device)
     start = time.perf_counter()
     while produced < new_tokens:
         base = target.cache.length
-        for _ in range(k):  # the draft proposes k tokens, one forward each
-            logits = draft.extend([1], num_logits=1)  # [1, V]
-            logits.argmax(-1)
-        target.extend([1] * (k + 1), num_logits=k + 1)  # verify: the pending token plus k drafts
+        drafted, token = [], pending
+        for _ in range(k):  # the draft proposes k tokens, one forward each, never waiting for the host
+            token = draft.extend(token).argmax(-1)  # [1]
+            drafted.append(token)
+        logits = target.extend(torch.cat([pending, *drafted]), num_logits=k + 1)  # [k+1, V]
+        logits[:, :8].argmax(-1).tolist()  # the step's one transfer to the host (the verdict)
         accepted = 0
         while accepted < k and draws.random() < alpha:
             accepted += 1
         target.cache.rollback(base + accepted + 1)
         draft.cache.rollback(min(draft.cache.length, base + accepted + 1))
         produced += accepted + 1
-        steps += 1
     sync(device)
-    seconds = time.perf_counter() - start
-    return {"alpha": alpha, "tokens_per_s": round(produced / seconds, 1), "tokens_per_step": round(produced / steps, 2)}
+    return produced / (time.perf_counter() - start)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    return k + 1.0 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def measure_mode(target: CausalLM, draft: CausalLM, mode: str, args, device, bandwidth: float) -> dict:
+    """Every step cost with forwards run ``mode`` (eager, or the runner's graphs/compiled variants)."""
+    started = time.perf_counter()
+    if mode == "eager":
+        target.runner = draft.runner = None
+    else:
+        target.runner = GraphRunner(target, mode, max_query=args.max_verify, backend=args.backend)
+        draft.runner = GraphRunner(draft, mode, max_query=args.k + 2, backend=args.backend)
+        if mode == "cuda-graphs":
+            target.runner.warm_up([target.all_layers])
+            draft.runner.warm_up([draft.all_layers])
+    prepared = time.perf_counter() - started
+    repeats = args.repeats
+    one = step_cost(target, args.context, 1, device, repeats)
+    verify = {n: step_cost(target, args.context, n, device, repeats) for n in range(2, args.max_verify + 1)}
+    draft_step = step_cost(draft, args.context, 1, device, repeats)
+    bound = target.weight_bytes / bandwidth
+    k = args.k
+    measured = {
+        str(alpha): round(forced_acceptance(target, draft, args.context, k, alpha, args.new_tokens, device, 7), 1)
+        for alpha in ALPHAS
+    }
+    step = k * draft_step + verify[k + 1]
+    result = {
+        "prepare_seconds": round(prepared, 2),
+        "variants": 0 if target.runner is None else target.runner.num_variants + draft.runner.num_variants,
+        "target_step_1_ms": round(one * 1e3, 3),
+        "verify_ms": {str(n): round(s * 1e3, 3) for n, s in verify.items()},
+        "draft_step_ms": round(draft_step * 1e3, 3),
+        "hbm_fraction_target_step": round(bound / one, 3),
+        "draft_over_target_step": round(draft_step / one, 3),
+        f"verify_{k + 1}_over_target_step": round(verify[k + 1] / one, 3),
+        "target_only_tokens_per_s": round(1 / one, 1),
+        "predicted_tokens_per_s": {str(a): round(expected_tokens(a, k) / step, 1) for a in ALPHAS},
+        "forced_acceptance_tokens_per_s": measured,
+    }
+    result["predicted_speedup_at_0.8"] = round(
+        result["predicted_tokens_per_s"]["0.8"] / result["target_only_tokens_per_s"], 3
+    )
+    if device.type == "cuda":
+        result["reserved_mib"] = round(torch.cuda.memory_reserved(device) / 2**20)
+    return result
+
+
+def window_costs(hf_model, device, dtype, mode: str, args) -> dict:
+    """The target's 1-token step near the start and near the end of 4k and 32k caches."""
+    out = {}
+    for max_len in args.window_cache_sizes:
+        model = CausalLM(hf_model, max_len)
+        if mode != "eager":
+            model.runner = GraphRunner(model, mode, max_query=1, backend=args.backend)
+        model.extend(torch.ones(min(512, max_len // 2), dtype=torch.long, device=device))
+        for context in sorted({min(512, max_len // 2), max_len - 16}):
+            if model.cache.length < context:  # fill the cache (prefill in chunks, eagerly)
+                runner, model.runner = model.runner, None
+                while model.cache.length < context:
+                    model.extend(torch.ones(min(2048, context - model.cache.length), dtype=torch.long, device=device))
+                model.runner = runner
+            out[f"cache_{max_len}_context_{context}_ms"] = round(
+                step_cost(model, context, 1, device, args.repeats) * 1e3, 3
+            )
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def engine_check(device: torch.device, dtypes: list[torch.dtype], graphs: str, args) -> dict:
+    """The engine itself on this device: a small random-weight target and a perturbed copy as draft.
+    Greedy speculative output with the runner's variants against eager target-only output (float32
+    must match token for token; half precision reports agreement), and host syncs per step, counted
+    by torch's sync debug mode (the verdict's one transfer should be the only one)."""
+    import copy
+    import traceback
+    import warnings
+    from collections import Counter
+
+    from engine.config import EngineConfig
+    from engine.engine import Request, build_engine
+    from engine.sampling import SamplingParams
+
+    shape = dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2
+    )
+    results = {}
+    for dtype in [torch.float32, *dtypes]:
+        torch.manual_seed(1)
+        target_hf = build(shape, 2048, device, dtype, 1024)
+        for param in target_hf.parameters():  # larger weights: logits spread enough that greedy has few ties
+            param.data.mul_(4.0)
+        draft_hf = copy.deepcopy(target_hf)
+        for param in draft_hf.parameters():
+            param.data.add_(torch.randn_like(param) * 0.01)
+        prompt = [random.Random(2).randrange(2048) for _ in range(40)]
+        params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+        outputs, syncs = {}, {}
+        for name, forward, drafter in (("eager-target-only", "eager", "none"), ("graphs-model", graphs, "model")):
+            config = EngineConfig(
+                drafter="model",
+                num_draft_tokens=args.k,
+                forward=forward,
+                max_model_len=1024,
+                compile_backend=args.backend,
+            )
+            engine = build_engine(config, target_hf, None if drafter == "none" else draft_hf, set())
+            engine.warm_up()
+            list(engine.generate(Request("warm", prompt, params, drafter=drafter)))  # compile/capture stragglers
+            sites: Counter = Counter()
+
+            def record(message, category, filename, lineno, file=None, line=None, sites=sites) -> None:
+                if "synchroniz" in str(message):  # where in the engine the host waited
+                    frames = [f for f in traceback.extract_stack() if "/engine/" in f.filename]
+                    where = frames[-1] if frames else None
+                    sites[f"{Path(where.filename).name}:{where.lineno}" if where else f"{filename}:{lineno}"] += 1
+
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                out = list(engine.generate(Request("check", prompt, params, drafter=drafter)))
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+            outputs[name] = [t for o in out for t in o.token_ids]
+            stats = out[-1].stats
+            steps = max(stats.target_forwards, 1)
+            syncs[name] = {
+                "steps": steps,
+                "syncs_per_step": round(sum(sites.values()) / steps, 2),
+                "sync_sites": dict(sites.most_common(6)),
+                "tokens_per_step": round(len(outputs[name]) / steps, 2),
+            }
+        same = [a == b for a, b in zip(outputs["eager-target-only"], outputs["graphs-model"], strict=True)]
+        results[str(dtype).removeprefix("torch.")] = {
+            "identical": all(same),
+            "agreeing_prefix": same.index(False) if not all(same) else len(same),
+            **{f"{name}_{key}": value for name, entry in syncs.items() for key, value in entry.items()},
+        }
+        print("engine check", dtype, json.dumps(results[str(dtype).removeprefix("torch.")]), flush=True)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, compiled (aot_eager) for graphs")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-verify", type=int, default=9, help="verify lengths 2..this")
     parser.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--engine-check-only", action="store_true", help="only the engine check (seconds)")
     args = parser.parse_args()
+    started = time.perf_counter()
     if args.smoke:
-        device, dtype, shapes, vocab = torch.device("cpu"), torch.float32, SMOKE_SHAPES, 1000
+        device, shapes, vocab, graphs = torch.device("cpu"), SMOKE_SHAPES, 1000, "compile"
+        args.backend, args.dtypes, args.max_verify = "aot_eager", "float32", min(args.max_verify, 5)
         args.context, args.new_tokens, args.repeats = (
             min(args.context, 64),
-            min(args.new_tokens, 32),
+            min(args.new_tokens, 24),
             min(args.repeats, 3),
         )
+        args.window_cache_sizes = (256,)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --smoke on CPU")
-        device, dtype, shapes, vocab = torch.device("cuda"), torch.bfloat16, SHAPES, 128256
+        device, shapes, vocab, graphs = torch.device("cuda"), SHAPES, 128256, "cuda-graphs"
+        args.backend, args.window_cache_sizes = "inductor", (4096, 32768)
+    max_len = 4096 if not args.smoke else 256
+    if args.engine_check_only:
+        dtypes = [getattr(torch, name) for name in args.dtypes.split(",") if name != "float32"]
+        report = {
+            "device": str(device),
+            "torch": torch.__version__,
+            "engine_check": engine_check(device, dtypes, graphs, args),
+        }
+        out = Path(args.out or "engine_check.json")
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report, indent=2))
+        return
     torch.manual_seed(0)
-    max_len = args.context + args.new_tokens + 2 * (args.k + 2)
-    started = time.perf_counter()
-    target = build(shapes["target"], vocab, device, dtype, max_len)
-    draft = build(shapes["draft"], vocab, device, dtype, max_len)
-    built_s = time.perf_counter() - started
-    context = [random.Random(1).randrange(vocab) for _ in range(args.context)]
-    target.extend(context)
-    draft.extend(context)
     bandwidth = read_bandwidth(device, 64 if args.smoke else 4096)
-    bound_s = target.weight_bytes / bandwidth
-    costs = {
-        "target_forward_1_ms": forward_cost(target, context, 1, device, args.repeats) * 1e3,
-        f"target_forward_{args.k + 1}_ms": forward_cost(target, context, args.k + 1, device, args.repeats) * 1e3,
-        "draft_step_ms": forward_cost(draft, context, 1, device, args.repeats) * 1e3,
-    }
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "smoke": args.smoke,
         "torch": torch.__version__,
-        "dtype": str(dtype).removeprefix("torch."),
-        "target_params_b": round(sum(p.numel() for p in target.hf_model.parameters()) / 1e9, 3),
-        "draft_params_b": round(sum(p.numel() for p in draft.hf_model.parameters()) / 1e9, 3),
-        "build_seconds": round(built_s, 1),
         "k": args.k,
         "context": args.context,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "bound_ms_per_target_forward": round(bound_s * 1e3, 3),
-        **{name: round(value, 3) for name, value in costs.items()},
-        "bandwidth_fraction_target_forward_1": round(bound_s * 1e3 / costs["target_forward_1_ms"], 3),
-        "verify_over_single_forward": round(costs[f"target_forward_{args.k + 1}_ms"] / costs["target_forward_1_ms"], 3),
-        "target_only_tokens_per_s": round(1e3 / costs["target_forward_1_ms"], 1),
-        "forced_acceptance": [
-            forced_acceptance(target, draft, context, args.k, alpha, args.new_tokens, device, seed=7)
-            for alpha in (0.6, 0.8, 1.0)
-        ],
+        "graphs_mode": graphs,
+        "dtypes": {},
     }
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    target_hf = build(shapes["target"], vocab, device, dtypes[0], max_len)
+    draft_hf = build(shapes["draft"], vocab, device, dtypes[0], max_len)
+    report["build_seconds"] = round(time.perf_counter() - started, 1)
+    for dtype in dtypes:
+        target_hf.to(dtype)
+        draft_hf.to(dtype)
+        target, draft = CausalLM(target_hf, max_len), CausalLM(draft_hf, max_len)
+        context = torch.ones(args.context, dtype=torch.long, device=device)
+        target.extend(context)
+        draft.extend(context)
+        name = str(dtype).removeprefix("torch.")
+        entry = {
+            "target_params_b": round(sum(p.numel() for p in target_hf.parameters()) / 1e9, 3),
+            "draft_params_b": round(sum(p.numel() for p in draft_hf.parameters()) / 1e9, 3),
+            "bound_ms_per_target_step": round(target.weight_bytes / bandwidth * 1e3, 3),
+        }
+        for mode in ("eager", graphs):
+            entry[mode] = measure_mode(target, draft, mode, args, device, bandwidth)
+            print(name, mode, json.dumps(entry[mode]), flush=True)
+        entry["graphs_over_eager_target_step"] = round(
+            entry[graphs]["target_step_1_ms"] / entry["eager"]["target_step_1_ms"], 3
+        )
+        if dtype == dtypes[0]:
+            entry["windows"] = {mode: window_costs(target_hf, device, dtype, mode, args) for mode in (graphs,)}
+        report["dtypes"][name] = entry
+        del target, draft
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del target_hf, draft_hf
+    gc.collect()
+    report["engine_check"] = engine_check(device, [d for d in dtypes if d != torch.float32], graphs, args)
+    report["seconds"] = round(time.perf_counter() - started, 1)
     out = Path(args.out) if args.out else Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "gpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

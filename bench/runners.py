@@ -48,7 +48,7 @@ class Run:
     @property
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first over the time since the first: decoding speed, prefill excluded."""
-        return (self.num_tokens - 1) / self.decode_seconds if self.num_tokens > 1 else 0.0
+        return (self.num_tokens - 1) / self.decode_seconds if self.num_tokens > 1 and self.decode_seconds > 0 else 0.0
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -141,10 +141,11 @@ class EngineRunner:
         self.engine = engine
         self.rss = PeakRSS(os.getpid())
 
-    def run(self, drafter: str, adaptive_k: bool, prompt_ids: list[int], max_tokens: int) -> Run:
+    def run(self, drafter: str, adaptive_k: bool, prompt_ids: list[int], max_tokens: int, user: str = "") -> Run:
         self.engine.reset()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        request = Request("bench", prompt_ids, params, drafter=drafter, adaptive_k=adaptive_k)
+        drafter = None if drafter == "default" else drafter
+        request = Request("bench", prompt_ids, params, drafter=drafter, adaptive_k=adaptive_k, tenant=user)
         self.rss.reset()
         run = Run(time.perf_counter())
         run.token_ids = []
@@ -192,15 +193,19 @@ class ServerRunner:
             time.sleep(0.5)
         raise RuntimeError("the server did not become healthy in time")
 
-    def run(self, drafter: str, adaptive_k: bool, prompt_ids: list[int], max_tokens: int) -> Run:
+    def run(self, drafter: str, adaptive_k: bool, prompt_ids: list[int], max_tokens: int, user: str = "") -> Run:
+        """``drafter`` "default" sends no speculative settings: the server's own choice. ``user``
+        scopes what drafters keep across requests (the suffix cache) to one configuration's runs."""
         body = {
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "speculative": {"drafter": drafter, "adaptive_k": adaptive_k},
+            "user": user,
         }
+        if drafter != "default":
+            body["speculative"] = {"drafter": drafter, "adaptive_k": adaptive_k}
         self.rss.reset()
         run = Run(time.perf_counter())
         pieces: list[str] = []
@@ -234,3 +239,38 @@ class ServerRunner:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self._log.close()
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python on the same GGUF file: an anchor, not a dependency.
+    ``available()`` is False unless the package imports (it builds from source in about 15 minutes)."""
+
+    MODES = ("llama.cpp",)
+
+    def __init__(self, gguf_path: Path, threads: int, context: int = 4096) -> None:
+        from llama_cpp import Llama
+
+        self.model = Llama(model_path=str(gguf_path), n_threads=threads, n_ctx=context, verbose=False)
+        self.rss = PeakRSS(os.getpid())
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def run(self, mode: str, prompt_ids: list[int], max_tokens: int) -> Run:
+        self.model.reset()  # no prefix reuse between runs, as for the other configurations
+        self.rss.reset()
+        run = Run(time.perf_counter())
+        pieces: list[str] = []
+        for chunk in self.model.create_completion(
+            prompt=prompt_ids, max_tokens=max_tokens, temperature=0.0, top_k=1, stream=True
+        ):
+            run.token_times.append(time.perf_counter())
+            pieces.append(chunk["choices"][0]["text"])
+        run.text = "".join(pieces)
+        run.peak_rss_mb = self.rss.read_mb()
+        return run

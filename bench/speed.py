@@ -1,16 +1,21 @@
 """specserve against Hugging Face transformers on the same model, machine and prompts.
 
-    make bench          # every configuration, every prompt of bench/prompts.yaml, 2 repeats (~30 min)
-    make bench-quick    # one prompt per type, one repeat, fewer configurations (~3 min)
+    make bench          # every configuration, every prompt of bench/prompts.yaml, 1 repeat (~35 min)
+    make bench-quick    # one prompt per type, one repeat, 64 tokens
 
 Configurations, run in interleaved order so machine noise hits all alike:
   hf:generate, hf:assisted (bfloat16 copy as assistant), hf:prompt-lookup (5 tokens), in this process;
-  serve:<drafter>[+adaptive], through a ``specserve serve`` subprocess's streaming API (SSE);
+  llama.cpp (llama-cpp-python on the same GGUF file, same thread count), when it imports;
+  serve:default (no speculative settings: the server's default), serve:<drafter>[+adaptive],
+  through a ``specserve serve`` subprocess's streaming API (SSE);
   engine:<drafter>[+adaptive], the engine in this process, to price the HTTP layer.
+Prompt types agentic and multi-turn are conversations run turn by turn, each turn's request
+carrying the assistant turns that configuration generated before; each configuration sends its
+own ``user``, so what the server keeps across requests (the suffix cache) never crosses them.
 Greedy decoding throughout; every output is checked against the target-only output.
 
-Writes bench/results/<name>.json and .png and prints markdown tables; with --update-readme the
-full run also rewrites the README's benchmark section.
+Writes bench/results/<name>.json, .png and .md (every table) and prints the summary; with
+--update-readme the full run also rewrites the README's benchmark section.
 """
 
 from __future__ import annotations
@@ -30,27 +35,29 @@ import yaml
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from host import cpu, measure_read_bandwidth  # noqa: E402
-from report import plot, summarise, tables, update_readme  # noqa: E402
-from runners import EngineRunner, HFRunner, Run, ServerRunner  # noqa: E402
+from report import plot, summarise, summary, tables, update_readme  # noqa: E402
+from runners import EngineRunner, HFRunner, LlamaCppRunner, Run, ServerRunner  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import build_engine  # noqa: E402
-from engine.loader import eos_token_ids, load  # noqa: E402
+from engine.loader import embedded_gguf, eos_token_ids, load  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
-DRAFTERS = "none,model,ngram,self,medusa,staged"
+DRAFTERS = "none,default,suffix,model,ngram,staged"  # default is auto: no separate auto row
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    label: str  # "hf:generate", "serve:ngram+adaptive", "engine:none"
-    system: str  # hf, serve or engine
+    label: str  # "hf:generate", "llama.cpp", "serve:ngram+adaptive", "engine:none"
+    system: str  # hf, llama.cpp, serve or engine
     mode: str  # the HF mode, or the drafter
     adaptive_k: bool = False
 
 
 def configurations(args: argparse.Namespace) -> list[Config]:
     configs = [Config(f"hf:{mode}", "hf", mode) for mode in HFRunner.MODES]
+    if args.llama_cpp:
+        configs.append(Config("llama.cpp", "llama.cpp", "llama.cpp"))
     adaptive = set(args.adaptive.split(","))
     for drafter in args.drafters.split(","):
         configs.append(Config(f"serve:{drafter}", "serve", drafter))
@@ -67,15 +74,15 @@ def main() -> None:
     parser.add_argument("--name", default="speed", help="results file stem under bench/results")
     parser.add_argument("--quick", action="store_true", help="one prompt per type, one repeat, 64 tokens")
     parser.add_argument("--drafters", default=DRAFTERS, help="drafters measured through the server")
-    parser.add_argument("--adaptive", default="model,ngram,self,medusa,staged", help="also run these with adaptive k")
-    parser.add_argument("--in-process", default="none,ngram+adaptive", help="also run these in this process")
+    parser.add_argument("--adaptive", default="", help="also run these with adaptive k")
+    parser.add_argument("--in-process", default="", help="also run these in this process, e.g. none")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per run (default 96; quick 64)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 2; quick 1)")
-    parser.add_argument("--types", default="chat,code,summarise,long")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 1)")
+    parser.add_argument("--types", default="chat,code,summarise,long,agentic,multi-turn")
     parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.repeats = args.repeats or 1
     args.max_tokens = args.max_tokens or (64 if args.quick else 96)
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
     prompts = {kind: prompts[kind][:1] if args.quick else prompts[kind] for kind in args.types.split(",")}
@@ -97,6 +104,11 @@ def main() -> None:
             "engine": EngineRunner(engine),
             "serve": server,
         }
+        args.llama_cpp = LlamaCppRunner.available() and engine_config.target is None
+        if args.llama_cpp:
+            runners["llama.cpp"] = LlamaCppRunner(embedded_gguf(), torch.get_num_threads())
+        else:
+            print("llama.cpp: llama-cpp-python is not importable; no anchor row", file=sys.stderr)
         server.wait_ready()
         bandwidths.append(measure_read_bandwidth())  # again with everything loaded and the server idle
         configs = configurations(args)
@@ -112,6 +124,7 @@ def main() -> None:
         "machine": {
             "processor": platform.processor() or platform.machine(),
             "cpu": cpu(),
+            "llama_cpp": args.llama_cpp,
             "torch_threads": torch.get_num_threads(),
             "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "read_bandwidth_readings_gb_s": [round(b / 1e9, 2) for b in bandwidths],
@@ -127,40 +140,60 @@ def main() -> None:
     out = results_dir / f"{args.name}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, results_dir / f"{args.name}.png")
-    text = tables(report)
+    out.with_suffix(".md").write_text(f"# `make bench`: every table of {out.name}\n\n" + tables(report) + "\n")
+    text = summary(report, f"bench/results/{args.name}.md")
     print(text)
     if args.update_readme:
         update_readme(BENCH.parent / "README.md", text, args.name)
-    print(f"\nwrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    print(f"\nwrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')}", file=sys.stderr)
 
 
 def measure(configs: list[Config], runners: dict, prompts: dict, tokenizer, args) -> dict[str, dict[str, list[Run]]]:
-    """runs[prompt type][config label] -> every run of that pair, prompts x repeats."""
+    """runs[prompt type][config label] -> every run of that pair, prompts (or turns) x repeats."""
     runs: dict[str, dict[str, list[Run]]] = {kind: {c.label: [] for c in configs} for kind in prompts}
     for repeat in range(args.repeats):
-        for kind, texts in prompts.items():
-            for index, text in enumerate(texts):
-                chat = [{"role": "user", "content": text}]
-                rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-                prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
-                for config in configs:  # interleaved: every configuration on this prompt, then the next
-                    run = run_one(config, runners, prompt_ids, args.max_tokens)
-                    if run.text is None:
-                        run.text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
-                    runs[kind][config.label].append(run)
-                    print(
-                        f"[{repeat + 1}/{args.repeats}] {kind}#{index} {config.label:24s} "
-                        f"{run.decode_tokens_per_s:6.1f} tok/s  ttft {run.ttft_s * 1e3:6.0f} ms",
-                        file=sys.stderr,
-                    )
+        for kind, entries in prompts.items():
+            for index, entry in enumerate(entries):
+                conversation = Conversation.of(entry)
+                histories = {config.label: list(conversation.opening) for config in configs}
+                for turn, user_text in enumerate(conversation.turns):
+                    for config in configs:  # interleaved: every configuration on this turn, then the next
+                        messages = histories[config.label] + [{"role": "user", "content": user_text}]
+                        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                        prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
+                        user = f"{config.label}#{repeat}"  # one tenant per configuration and repeat
+                        run = run_one(config, runners, prompt_ids, args.max_tokens, user)
+                        if run.text is None:
+                            run.text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
+                        histories[config.label] = messages + [{"role": "assistant", "content": run.text}]
+                        runs[kind][config.label].append(run)
+                        print(
+                            f"[{repeat + 1}/{args.repeats}] {kind}#{index}.{turn} {config.label:24s} "
+                            f"{run.decode_tokens_per_s:6.1f} tok/s  ttft {run.ttft_s * 1e3:6.0f} ms",
+                            file=sys.stderr,
+                        )
     return runs
 
 
-def run_one(config: Config, runners: dict, prompt_ids: list[int], max_tokens: int) -> Run:
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    opening: tuple[dict, ...]  # messages before the first measured turn (a system prompt)
+    turns: tuple[str, ...]  # user messages, one request each
+
+    @staticmethod
+    def of(entry: str | dict) -> Conversation:
+        """A single prompt is a one-turn conversation; a sequence has a system prompt and turns."""
+        if isinstance(entry, str):
+            return Conversation((), (entry,))
+        opening = ({"role": "system", "content": entry["system"]},) if entry.get("system") else ()
+        return Conversation(opening, tuple(entry["turns"]))
+
+
+def run_one(config: Config, runners: dict, prompt_ids: list[int], max_tokens: int, user: str) -> Run:
     runner = runners[config.system]
-    if config.system == "hf":
+    if config.system in ("hf", "llama.cpp"):
         return runner.run(config.mode, prompt_ids, max_tokens)
-    return runner.run(config.mode, config.adaptive_k, prompt_ids, max_tokens)
+    return runner.run(config.mode, config.adaptive_k, prompt_ids, max_tokens, user)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says which and why."""
 
 
+FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,6 +35,10 @@ class EngineConfig:
     suffix_global: bool = True  # the suffix drafter also matches recent outputs of the same tenant
     suffix_cache_requests: int = 64  # how many recent outputs it keeps, across tenants; the oldest go first
     fault_injection: bool = False  # test hook: requests may ask to fail at a given step
+    # How decode-shaped forwards run (engine/runner.py): "auto" is CUDA graphs on a GPU and eager on
+    # CPU; "eager" (--enforce-eager) never records; "compile" is torch.compile, for proving on CPU.
+    forward: str = "auto"
+    compile_backend: str = "inductor"  # torch.compile's backend under forward="compile" (tests: aot_eager)
 
     def __post_init__(self) -> None:
         if self.suffix_cache_requests < 0:
@@ -56,6 +61,15 @@ class EngineConfig:
         if self.draft is not None and self.draft.lower() == "none":
             self.draft = None
         check_stages(self.stages)
+        if self.forward not in FORWARD_MODES:
+            raise ConfigError(f"forward must be one of {', '.join(FORWARD_MODES)}, got {self.forward!r}")
+
+    @property
+    def forward_mode(self) -> str:
+        """What "auto" means on this device: "cuda-graphs" on CUDA, else "eager"."""
+        if self.forward == "auto":
+            return "cuda-graphs" if self.torch_device.type == "cuda" else "eager"
+        return self.forward
 
     @property
     def torch_device(self) -> torch.device:

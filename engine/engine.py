@@ -12,11 +12,11 @@ import torch
 from .adaptive import AdaptiveK, StepCosts
 from .config import ConfigError, EngineConfig, check_stages
 from .drafters import Drafter, DraftResources, Proposal, available, build
-from .grammar import TokenConstraint
 from .model import CausalLM
+from .runner import GraphRunner
 from .sampling import RequestSampler, SamplingParams
 from .spec import rejection_sample
-from .stats import SpecStats, StepRecord
+from .stats import DrafterSpeeds, SpecStats, StepRecord
 
 MAX_CHAINS = 16  # staged chains built for requests' own "stages", kept for reuse
 
@@ -117,6 +117,21 @@ class _Sequence:
         return len(self.token_ids) - self.prompt_len
 
 
+@dataclass(frozen=True, slots=True)
+class WarmUp:
+    forward: str  # eager, cuda-graphs or compile
+    variants: int  # captured graphs
+    seconds: float
+    graph_bytes: int  # device memory the captures reserved
+
+    def describe(self) -> str:
+        if self.forward == "cuda-graphs":
+            return f"CUDA graphs: {self.variants} captured in {self.seconds:.1f} s, {self.graph_bytes / 2**20:,.0f} MiB"
+        if self.forward == "compile":
+            return f"torch.compile: {self.variants} variants compiled in {self.seconds:.1f} s"
+        return f"forward {self.forward}, warmed up in {self.seconds:.1f} s"
+
+
 class SpecEngine:
     def __init__(
         self,
@@ -152,6 +167,8 @@ class SpecEngine:
             except ConfigError as exc:
                 self.drafter_problems[name] = str(exc)
         # With no draft model, the default "model" drafter means the target alone.
+        self.warm_up_report: WarmUp | None = None
+        self.speeds = DrafterSpeeds()  # measured tokens/s by drafter, for /v1/models and the chat page
         self.default_drafter = config.drafter if (draft is not None or config.drafter != "model") else None
         if self.default_drafter is not None:
             self.drafter(self.default_drafter)  # a default that cannot run fails at start-up
@@ -194,6 +211,32 @@ class SpecEngine:
                 self._chains.popitem(last=False)
         self._chains.move_to_end(stages)
         return self._chains[stages]
+
+    def warm_up(self) -> WarmUp:
+        """Run every decode shape before the first request. CUDA graphs are captured here; eager
+        kernels pay their first-call costs here instead of in the first request, whose step costs
+        the auto drafter learns from. Compiled forwards (the CPU proof) compile here, every variant once."""
+        started = time.perf_counter()
+        device = self.target.device
+        reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        max_query = self.config.num_draft_tokens + 2
+        variants = 0
+        for model in self.models:
+            layer_sets = [model.all_layers]
+            self_drafter = self._drafters.get("self")
+            if model is self.target and self_drafter is not None:
+                layer_sets.append(self_drafter.layers)
+            if model.runner is None:
+                for num_tokens in range(1, min(max_query, model.max_len) + 1):
+                    model.extend([0] * num_tokens, num_logits=num_tokens)
+                    model.cache.rollback(0)
+            else:
+                model.runner.warm_up(layer_sets)
+                variants += model.runner.num_variants
+            model.cache.rollback(0)
+        graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
+        self.warm_up_report = WarmUp(self.config.forward_mode, variants, time.perf_counter() - started, graph_bytes)
+        return self.warm_up_report
 
     def reset(self) -> None:
         """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""
@@ -260,6 +303,7 @@ class SpecEngine:
             seq.sampler.commit(new)
             record = result.record.truncated(len(new))  # count only what the client receives
             seq.stats.record(record)
+            self.speeds.add(seq.stats.drafter or "none", record)
             logprobs = None
             if params.logprobs is not None:
                 logprobs = self._logprobs(result.target_logits[: len(new)], new, params.logprobs)
@@ -290,6 +334,8 @@ class SpecEngine:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         constraint = None
         if request.grammar is not None:
+            from .grammar import TokenConstraint  # xgrammar loads only when a request brings a grammar
+
             constraint = TokenConstraint(request.grammar, self.vocab_size)
         sampler = RequestSampler(request.params, self.vocab_size, self.target.device, prompt, seed, constraint)
         return _Sequence(prompt, len(prompt), sampler, drafter, policy, SpecStats(drafter=name))
@@ -332,26 +378,28 @@ class SpecEngine:
         )
         k = proposal.token_ids.shape[0]
         drafted = time.perf_counter()
-        # 2. The target scores the pending token(s) and all k drafts in one forward pass.
-        pending, draft_ids = tokens[self.target.cache.length :], proposal.token_ids.tolist()
-        logits = self.target.extend(pending + draft_ids, num_logits=k + 1)  # [k+1, V]
+        # 2. The target scores the pending token(s) and all k drafts in one forward pass. The drafts
+        # stay on the device: the verdict below is the step's one transfer to the host.
+        pending = self.target.upload(tokens[self.target.cache.length :])  # [P]
+        logits = self.target.extend(torch.cat([pending, proposal.token_ids]), num_logits=k + 1)  # [k+1, V]
         # NaN or inf anywhere in the logits poisons all of p, which the sampler then refuses (no extra
         # sync). isfinite, not a sum: summing 49k half-precision logits overflows to inf on its own.
         p = sampler.probs(logits, proposal.token_ids)  # [k+1, V]
         p = torch.where(torch.isfinite(logits).all(), p, torch.nan)
         # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token.
-        verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator)
+        verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator, proposal.num_proposed)
         # 4. Both caches roll back to the accepted length.
-        num_committed = len(tokens) + verdict.num_accepted
-        self.target.cache.rollback(num_committed)
+        n = verdict.num_accepted
+        num_committed = len(tokens) + n
+        self.target.cache.rollback(num_committed, tokens + verdict.token_ids[:n])
         if seq.drafter is not None:
             seq.drafter.accept(num_committed)
-        n = verdict.num_accepted
+        k = verdict.num_proposed
         by = (proposal.drafter or seq.stats.drafter or "none") if k else "none"
         record = StepRecord(k, n, drafted - started, time.perf_counter() - drafted, num_emitted=n + 1, drafter=by)
         if seq.policy is not None:
             seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds)
-        return _StepResult(draft_ids[:n] + [verdict.next_token], logits[: n + 1], record)
+        return _StepResult(verdict.token_ids, logits[: n + 1], record)
 
 
 def build_engine(
@@ -366,4 +414,8 @@ def build_engine(
     max_len = config.max_model_len or min(limit, 4096)
     target = CausalLM(target_model, max_len)
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None
+    mode = config.forward_mode
+    if mode != "eager":  # decode-shaped forwards: up to k drafts, a pending token, and a bonus row
+        for model in filter(None, (target, draft)):
+            model.runner = GraphRunner(model, mode, config.num_draft_tokens + 2, config.compile_backend)
     return SpecEngine(config, target, draft, eos_token_ids, tokenizer_size)

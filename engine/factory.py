@@ -15,7 +15,7 @@ from .engine import SpecEngine, build_engine
 from .loader import eos_token_ids, load
 from .threads import set_threads, usable_cpus
 
-STAGES = ("tokenizer", "target", "draft", "caches")
+STAGES = ("tokenizer", "target", "draft", "caches", "warm-up")
 
 
 @dataclass(slots=True)
@@ -43,4 +43,5 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
         eos = eos_token_ids(models.target, models.tokenizer)
         engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer))
         progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
+        progress(engine.warm_up().describe())
     return LoadedEngine(engine, models.tokenizer, models.target_name)

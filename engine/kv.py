@@ -1,12 +1,15 @@
 """Static KV caches: allocated once, written at positions, rolled back by moving a length.
 
 Positions past ``length`` hold stale keys and values that the next write overwrites and that
-attention never reads (it only reads ``[:length]``), so rollback costs nothing.
+attention never reads (it reads ``[:length]``, or a longer static window under a mask that hides
+every position past the query's own), so rollback costs nothing.
 """
 
 from __future__ import annotations
 
 import torch
+
+UNKNOWN = -1  # a cached position whose token id the host has not seen (fed as a device tensor)
 
 
 class KVCache:
@@ -23,7 +26,10 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, H_kv, S, D]
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, H_kv, S, D]
         self.max_len = max_len
-        self.token_ids: list[int] = []  # the tokens whose keys and values are in [:length]
+        # The tokens whose keys and values are in [:length]. Tokens fed as device tensors (drafts
+        # sampled on the device) are UNKNOWN here until ``rollback`` is told the committed sequence.
+        self.token_ids: list[int] = []
+        self._first_unknown: int | None = None  # the first UNKNOWN position, if any
 
     @property
     def length(self) -> int:
@@ -33,9 +39,26 @@ class KVCache:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def rollback(self, length: int) -> None:
-        """Forget everything after the first ``length`` tokens. The one way the cache shrinks."""
+    def rollback(self, length: int, committed: list[int] | None = None) -> None:
+        """Forget everything after the first ``length`` tokens. The one way the cache shrinks.
+
+        ``committed`` (the sequence as the host now knows it) names kept positions that were fed as
+        device tensors, so that prefix reuse can match them later."""
         del self.token_ids[length:]
+        first = self._first_unknown
+        if first is None or first >= length:
+            self._first_unknown = None
+        elif committed is not None and len(committed) >= length:
+            self.token_ids[first:length] = committed[first:length]
+            self._first_unknown = None
+
+    def append(self, token_ids: list[int] | int) -> None:
+        """Record fed tokens: their ids, or how many were fed as device tensors (ids unknown)."""
+        if isinstance(token_ids, int):
+            if self._first_unknown is None:
+                self._first_unknown = len(self.token_ids)
+            token_ids = [UNKNOWN] * token_ids
+        self.token_ids.extend(token_ids)
 
     def reuse_prefix(self, token_ids: list[int]) -> int:
         """Keep the longest cached prefix of ``token_ids`` and return its length.
@@ -50,10 +73,11 @@ class KVCache:
         return shared
 
     def write(
-        self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor
+        self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store keys/values [1, H_kv, T, D] at [start, start+T) and return the live [1, H_kv, start+T, D] views."""
-        end = start + keys.shape[2]
-        self.keys[layer, :, :, start:end] = keys
-        self.values[layer, :, :, start:end] = values
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        """Store keys/values [1, H_kv, T, D] at ``positions`` [T] and return [1, H_kv, window, D] views
+        of the first ``window`` positions. Shapes depend only on T and ``window``, never on where
+        the tokens go, so one compiled or captured forward serves every position."""
+        self.keys[layer].index_copy_(2, positions, keys)
+        self.values[layer].index_copy_(2, positions, values)
+        return self.keys[layer, :, :, :window], self.values[layer, :, :, :window]

@@ -2,7 +2,12 @@
 
 It reuses the checkpoint's own modules (norms, projections, MLP) and replaces what makes the
 stock forward slow at batch size 1: cache bookkeeping, mask building and rotary recomputation.
-Keys and values go into a preallocated ``KVCache``; attention reads only the live prefix.
+Keys and values go into a preallocated ``KVCache``.
+
+One forward, two ways to call it. Eagerly, attention reads exactly the live prefix. Statically
+(``static_forward``), every shape depends only on the number of new tokens and a window of the
+cache chosen from a few sizes, and positions are a tensor, so ``engine/runner.py`` can compile it or
+capture it as a CUDA graph once per query length and window and replay it at any position.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class CausalLM:
         self.lm_head = hf_model.lm_head
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        for layer in self.layers:  # one matrix product for q, k, v and one for gate, up (fewer kernels)
+            fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv")
+            fuse_linears(layer.mlp, ("gate_proj", "up_proj"), "gate_up")
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.num_heads = config.num_attention_heads
@@ -63,20 +71,22 @@ class CausalLM:
         positions = torch.arange(max_len, device=self.device)[None]  # [1, S]
         cos, sin = body.rotary_emb(torch.empty(0, device=self.device, dtype=self.dtype), positions)
         self.cos, self.sin = cos[0], sin[0]  # [S, D]
+        self.positions = positions[0]  # [S] 0..S-1, sliced for the positions of new tokens
+        self.runner = None  # a runner.GraphRunner replaying decode-shaped forwards; None: always eager
 
     @property
     def weight_bytes(self) -> int:
         return sum(p.nbytes for p in self.hf_model.parameters())
 
     @torch.inference_mode()
-    def extend(self, token_ids: list[int], num_logits: int = 1) -> torch.Tensor:
-        """Append ``token_ids`` to the cache and return logits [num_logits, V] for the last positions."""
+    def extend(self, token_ids: list[int] | torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        """Append ``token_ids`` (a list, or a [T] device tensor of sampled tokens) to the cache and
+        return logits [num_logits, V] for the last positions."""
         start = self.cache.length
-        hidden = self._body(self._input(token_ids, start), start, range(len(self.layers)))  # [T, E]
-        self.cache.token_ids.extend(token_ids)
-        self.last_hidden = self.norm(hidden[-num_logits:])  # [N, E] normalised, for drafters reading features
-        self._last_hidden_end = start + len(token_ids)
-        logits = self.logits(self.last_hidden)  # [N, V]
+        hidden, logits = self._forward(self._input(token_ids, start), start, None, num_logits)  # [N, E], [N, V]
+        self.cache.append(token_ids if isinstance(token_ids, list) else token_ids.shape[0])
+        self.last_hidden = hidden  # [N, E] normalised, for drafters reading features
+        self._last_hidden_end = self.cache.length
         if self.fault is not None:
             fault, self.fault = self.fault, None
             logits = fault(logits)
@@ -91,12 +101,38 @@ class CausalLM:
 
     @torch.inference_mode()
     def draft_through(
-        self, token_ids: list[int], start: int, layers: Sequence[int], num_logits: int = 1
+        self, token_ids: list[int] | torch.Tensor, start: int, layers: Sequence[int], num_logits: int = 1
     ) -> torch.Tensor:
         """Run only ``layers`` over tokens at positions [start, start+T), writing those layers' KV
         there without advancing the cache; the next ``extend`` over these positions overwrites it."""
-        hidden = self._body(self._input(token_ids, start), start, layers)  # [T, E]
-        return self.logits(self.norm(hidden[-num_logits:]))  # [N, V]
+        _, logits = self._forward(self._input(token_ids, start), start, tuple(layers), num_logits)
+        return logits  # [N, V]
+
+    def _forward(
+        self, input_ids: torch.Tensor, start: int, layers: tuple[int, ...] | None, num_logits: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalised hidden [N, E], logits [N, V]) of the last ``num_logits`` of the new tokens."""
+        layers = layers if layers is not None else self.all_layers
+        if self.runner is not None and self.runner.handles(input_ids.shape[0], start):
+            hidden, logits = self.runner.run(input_ids, start, layers)  # [T, E], [T, V]
+            return hidden[-num_logits:], logits[-num_logits:]
+        end = start + input_ids.shape[0]
+        hidden = self._body(input_ids, self.positions[start:end], end, layers, masked=input_ids.shape[0] > 1)
+        hidden = _rms_norm(self.norm, hidden[-num_logits:])  # [N, E]
+        return hidden, self.logits(hidden)
+
+    def static_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, window: int, layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] at positions [T] -> (normalised hidden [T, E], logits [T, V]), attending
+        over the first ``window`` cache positions under a causal mask. Shapes depend only on T and
+        ``window``: this is what the runner compiles or captures."""
+        hidden = _rms_norm(self.norm, self._body(input_ids, positions, window, layers, masked=True))  # [T, E]
+        return hidden, self.logits(hidden)
+
+    @property
+    def all_layers(self) -> tuple[int, ...]:
+        return tuple(range(len(self.layers)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Normalised hidden states [N, E] -> logits [N, V], in the formulation measured fastest."""
@@ -104,40 +140,110 @@ class CausalLM:
             return self.lm_head(hidden)
         return sliced_linear(hidden, self.lm_head.weight, self.lm_head.bias, LM_HEAD_SLICE)
 
-    def _input(self, token_ids: list[int], start: int) -> torch.Tensor:
-        if start + len(token_ids) > self.max_len:
-            raise ValueError(f"sequence of {start + len(token_ids)} tokens exceeds the cache of {self.max_len}")
-        return torch.tensor(token_ids, device=self.device)  # [T]
+    def _input(self, token_ids: list[int] | torch.Tensor, start: int) -> torch.Tensor:
+        num_new = len(token_ids) if isinstance(token_ids, list) else token_ids.shape[0]
+        if start + num_new > self.max_len:
+            raise ValueError(f"sequence of {start + num_new} tokens exceeds the cache of {self.max_len}")
+        return token_ids if isinstance(token_ids, torch.Tensor) else self.upload(token_ids)
 
-    def _body(self, input_ids: torch.Tensor, start: int, layers: Sequence[int]) -> torch.Tensor:
-        num_new = input_ids.shape[0]
-        end = start + num_new
-        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, D]
-        mask = None
-        if num_new > 1:  # query i (at position start+i) sees keys [0, start+i]
-            keys_pos = torch.arange(end, device=self.device)  # [S']
-            mask = keys_pos[None, :] <= (start + torch.arange(num_new, device=self.device))[:, None]  # [T, S']
+    def upload(self, token_ids: list[int]) -> torch.Tensor:
+        return upload(token_ids, self.device)
+
+    def _body(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, window: int, layers: Sequence[int], masked: bool
+    ) -> torch.Tensor:
+        """input_ids [T] at positions [T], attending over cache positions [0, window)."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
+        mask = None  # unmasked only when T = 1 and the window ends at its position
+        if masked:  # query i (at positions[i]) sees keys [0, positions[i]]
+            mask = self.positions[None, :window] <= positions[:, None]  # [T, W]
+            mask = mask.repeat(self.num_heads // self.num_kv_heads, 1)  # [G*T, W], queries grouped by KV head
         hidden = self.embed(input_ids)[None]  # [1, T, E]
         for index in layers:
             layer = self.layers[index]
             hidden = hidden + self._attention(
-                layer.self_attn, layer.input_layernorm(hidden), index, start, cos, sin, mask
+                layer.self_attn, _rms_norm(layer.input_layernorm, hidden), index, positions, window, cos, sin, mask
             )
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
         return hidden[0]  # [T, E]
 
-    def _attention(self, attn, x, index, start, cos, sin, mask) -> torch.Tensor:
-        num_new = x.shape[1]
-        q = attn.q_proj(x).view(1, num_new, self.num_heads, self.head_dim)  # [1, T, H, D]
-        k = attn.k_proj(x).view(1, num_new, self.num_kv_heads, self.head_dim)  # [1, T, H_kv, D]
-        v = attn.v_proj(x).view(1, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, T, D]
+    def _attention(self, attn, x, index, positions, window, cos, sin, mask) -> torch.Tensor:
+        num_new, heads, kv_heads, dim = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self._fused_linear(x, attn.qkv_weight, attn.qkv_bias, 3)  # [1, T, (H + 2 H_kv) D]
+        v = qkv[..., (heads + kv_heads) * dim :].view(1, num_new, kv_heads, dim).transpose(1, 2)  # [1, H_kv, T, D]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = _rotate(q.transpose(1, 2), cos, sin)  # [1, H, T, D]
-        k = _rotate(k.transpose(1, 2), cos, sin)  # [1, H_kv, T, D]
-        keys, values = self.cache.write(index, start, k, v)  # [1, H_kv, S', D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, num_new, -1))  # [1, T, E]
+            q = attn.q_norm(qkv[..., : heads * dim].view(1, num_new, heads, dim))  # [1, T, H, D]
+            k = attn.k_norm(qkv[..., heads * dim : (heads + kv_heads) * dim].view(1, num_new, kv_heads, dim))
+            qk = torch.cat([q, k], dim=2)  # [1, T, H + H_kv, D]
+        else:
+            qk = qkv[..., : (heads + kv_heads) * dim].view(1, num_new, heads + kv_heads, dim)  # [1, T, H + H_kv, D]
+        qk = _rotate(qk.transpose(1, 2), cos, sin)  # [1, H + H_kv, T, D], q and k rotated together
+        q, k = qk[:, :heads], qk[:, heads:]  # [1, H, T, D], [1, H_kv, T, D]
+        keys, values = self.cache.write(index, positions, k, v, window)  # [1, H_kv, W, D]
+        # The G = H / H_kv query heads sharing a KV head attend as G*T queries of that head: no copies
+        # of keys and values, and a plain attention kernel (with a mask) serves grouped-query models.
+        grouped = q.reshape(1, kv_heads, (heads // kv_heads) * num_new, dim)  # [1, H_kv, G*T, D]
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scaling)
+        out = out.reshape(1, heads, num_new, dim).transpose(1, 2).reshape(1, num_new, heads * dim)  # [1, T, H*D]
+        return attn.o_proj(out)  # [1, T, E]
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self._fused_linear(x, mlp.gate_up_weight, mlp.gate_up_bias, 2).chunk(2, dim=-1)  # [1, T, I] each
+        return mlp.down_proj(mlp.act_fn(gate) * up)  # [1, T, E]
+
+    def _fused_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int):
+        """x [1, T, I] through a fused weight [O, I] -> [1, T, O]. On a GPU one product (fewer kernels
+        is the point); on CPU one product per original layer, which measured faster there (a verify's
+        5 rows through the fused 3072-row MLP weight took the slow path LM_HEAD_SLICE describes)."""
+        if self.device.type != "cpu":
+            return F.linear(x, weight, bias)
+        linears = self._parts_of(weight, parts)
+        return torch.cat([F.linear(x, w, None if bias is None else bias[a:b]) for w, (a, b) in linears], dim=-1)
+
+    def _parts_of(self, weight: torch.Tensor, parts: int) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+        """The row blocks of a fused weight: (q, k, v) or (gate, up)."""
+        if parts == 2:
+            half = weight.shape[0] // 2
+            bounds = [(0, half), (half, 2 * half)]
+        else:
+            q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            bounds = [(0, q_rows), (q_rows, q_rows + kv_rows), (q_rows + kv_rows, q_rows + 2 * kv_rows)]
+        return [(weight[a:b], (a, b)) for a, b in bounds]
+
+
+def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
+    """Give ``module`` one weight ``{fused}_weight`` [sum of O, I] (and bias) stacking the named
+    linear layers, whose weights become views of it: one matrix product instead of several, and no
+    second copy in memory. Idempotent: a module already fused keeps its tensors."""
+    linears = [getattr(module, name) for name in names]
+    weight = getattr(module, f"{fused}_weight", None)
+    if weight is not None and linears[0].weight.data_ptr() == weight.data_ptr():
+        return
+    weight = torch.cat([linear.weight.data for linear in linears])  # [sum O, I]
+    biases = [linear.bias for linear in linears]
+    bias = None if any(b is None for b in biases) else torch.cat([b.data for b in biases])  # [sum O]
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = weight[start : start + rows]
+        if bias is not None:
+            linear.bias.data = bias[start : start + rows]
+        start += rows
+    setattr(module, f"{fused}_weight", weight)
+    setattr(module, f"{fused}_bias", bias)
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's RMSNorm as one fused call (the module's own forward launches about six kernels)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def upload(token_ids: list[int], device: torch.device) -> torch.Tensor:
+    """Host token ids -> [T] int64 on ``device``, without waiting for the device's queued work
+    (``torch.tensor(ids, device="cuda")`` copies from pageable memory and synchronises)."""
+    if device.type == "cuda":  # through pinned memory, so the copy is asynchronous
+        return torch.tensor(token_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+    return torch.tensor(token_ids, dtype=torch.long, device=device)  # [T]
 
 
 def sliced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:

@@ -146,7 +146,7 @@ class RequestSampler:
             drafted = [] if appended is None else appended.tolist()
             logits = self.constraint.apply(logits.clone(), drafted)
         if self.params.greedy:
-            return torch.nn.functional.one_hot(logits.argmax(-1), self.vocab_size).float()  # [T, V]
+            return one_hot(logits.argmax(-1), self.vocab_size)  # [T, V]
         logits = logits / self.params.temperature
         if self.params.top_k > 0 and self.params.top_k < self.vocab_size:
             kth = torch.topk(logits, self.params.top_k, dim=-1).values[:, -1:]  # [T, 1]
@@ -164,7 +164,7 @@ class RequestSampler:
         counts = self._output_counts.expand(rows, -1)  # [T, V]
         if appended is not None and appended.numel():
             # Row t sees appended[:A - (T - 1) + t]: a cumulative one-hot over the appended tokens.
-            onehot = torch.nn.functional.one_hot(appended, self.vocab_size).float()  # [A, V]
+            onehot = one_hot(appended, self.vocab_size)  # [A, V]
             cum = torch.cat([torch.zeros_like(onehot[:1]), onehot.cumsum(0)])  # [A+1, V]
             first = appended.numel() - (rows - 1)
             counts = counts + cum[first : first + rows]  # [T, V]
@@ -175,6 +175,13 @@ class RequestSampler:
             penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
             logits = torch.where(seen, penalised, logits)
         return logits
+
+
+def one_hot(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """token_ids [N] -> [N, V] one-hot rows. Unlike F.one_hot, it does not read the ids back to the
+    host to check their range, so it never makes the host wait for the device."""
+    rows = torch.zeros(token_ids.shape[0], vocab_size, dtype=dtype, device=token_ids.device)  # [N, V]
+    return rows.scatter_(-1, token_ids[:, None], 1.0)
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

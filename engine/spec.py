@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from .sampling import one_hot
 
 
 class NonFiniteProbabilities(ValueError):
@@ -18,8 +19,13 @@ class NonFiniteProbabilities(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    num_accepted: int  # how many draft tokens were kept, 0..k
-    next_token: int  # the resampled token at the first rejection, or the bonus token
+    num_accepted: int  # how many draft tokens were kept, 0..n
+    token_ids: list[int]  # the kept drafts, then the resampled token at the first rejection or the bonus token
+    num_proposed: int  # n: the drafts that counted (k, or fewer when a device-side cutoff ended the draft)
+
+    @property
+    def next_token(self) -> int:
+        return self.token_ids[-1]
 
 
 def rejection_sample(
@@ -27,31 +33,43 @@ def rejection_sample(
     q: torch.Tensor | None,  # [k, V] draft probabilities; None means deterministic (one-hot) drafts
     p: torch.Tensor,  # [k+1, V] target probabilities at each draft position plus the bonus position
     generator: torch.Generator | None,
+    num_proposed: torch.Tensor | None = None,  # [] n <= k: only the first n drafts were proposed; None: all k
 ) -> Verdict:
     """Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)).
 
-    At the first rejection, sample from norm(max(0, p_i - q_i)); if all k pass, sample the bonus
-    token from p_k. The result is distributed exactly as sampling from p alone.
-    Everything stays on the device until one transfer of (number accepted, next token) at the end.
+    At the first rejection, sample from norm(max(0, p_i - q_i)); if all n pass, sample the bonus
+    token from p_n. The result is distributed exactly as sampling from p alone.
+    Everything stays on the device until one transfer at the end: the number accepted, the next
+    token, and the drafts themselves (so a step never copies drafts to the host on their own).
     """
     k = draft_tokens.shape[0]
     rows = torch.arange(k, device=p.device)
     if q is None:
-        q = F.one_hot(draft_tokens, p.shape[-1]).to(p.dtype)  # [k, V]
+        q = one_hot(draft_tokens, p.shape[-1], p.dtype)  # [k, V]
     p_x, q_x = p[rows, draft_tokens], q[rows, draft_tokens]  # [k], [k]
     u = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)  # [k]
     accepted = u * q_x < p_x  # [k]; u < p/q without dividing by q
-    num_accepted = accepted.long().cumprod(0).sum()  # [] the first rejection's position, or k
+    if num_proposed is None:
+        num_proposed = torch.full((), k, dtype=torch.long, device=p.device)  # [] (a fill: no host-to-device copy)
+    else:
+        accepted &= rows < num_proposed  # drafts past n were never proposed
+    num_accepted = accepted.long().cumprod(0).sum()  # [] the first rejection's position, or n
     residual = (p[:k] - q).clamp_min(0)  # [k, V] where to resample after a rejection at row i
     # p_i == q_i leaves no residual; a rejection there has probability zero, but guard rounding.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
-    next_from = torch.cat([residual, p[k:]])[num_accepted]  # [V]; row k is the bonus distribution p_k
+    # all n passed: the bonus token comes from p_n, the target's distribution after the n drafts
+    all_passed = num_accepted == num_proposed  # []
+    # Rows picked by index_select: indexing with a 0-d tensor (p[num_accepted]) reads it back to the host.
+    at = num_accepted.view(1)  # [1]
+    candidates = torch.cat([residual, p[k:]])  # [k+1, V]; row k is the bonus distribution p_k
+    next_from = torch.where(all_passed, p.index_select(0, at), candidates.index_select(0, at))[0]  # [V]
     total = next_from.sum()  # []
     usable = torch.isfinite(total) & (total > 0)  # NaN anywhere in the row poisons the sum
-    num, token, ok = torch.stack([num_accepted, sample_one(next_from, generator), usable.long()]).tolist()
+    head = torch.stack([num_accepted, sample_one(next_from, generator), usable.long(), num_proposed.long()])  # [4]
+    num, token, ok, proposed, *drafts = torch.cat([head, draft_tokens]).tolist()
     if not ok:
         raise NonFiniteProbabilities("the target's probabilities are not finite (NaN or inf in the logits)")
-    return Verdict(num, token)
+    return Verdict(num, drafts[:num] + [token], proposed)
 
 
 def sample_one(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

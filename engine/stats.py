@@ -106,3 +106,24 @@ class SpecStats:
             "verify_seconds": round(self.verify_seconds, 6),
             "steps_by_drafter": {name: steps for name, steps in self.steps_by_drafter.items() if steps},
         }
+
+
+@dataclass(slots=True)
+class DrafterSpeeds:
+    """Decode speed by the drafter requests asked for, measured on this server since it started:
+    tokens delivered over the draft and verify time of their steps. Shows which drafters pay here."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    min_tokens: int = 32  # below this a figure is noise
+
+    def add(self, drafter: str, step: StepRecord) -> None:
+        self.tokens[drafter] = self.tokens.get(drafter, 0) + step.num_emitted
+        self.seconds[drafter] = self.seconds.get(drafter, 0.0) + step.draft_seconds + step.verify_seconds
+
+    def tokens_per_second(self) -> dict[str, float]:
+        return {
+            name: round(tokens / self.seconds[name], 1)
+            for name, tokens in list(self.tokens.items())
+            if tokens >= self.min_tokens and self.seconds.get(name)
+        }

@@ -94,6 +94,7 @@ def _card(request: Request) -> ModelCard:
         created=request.app.state.started,
         drafters=[*engine.runnable_drafters, "none"],
         default_drafter=engine.default_drafter or "none",
+        drafter_tokens_per_s=engine.speeds.tokens_per_second(),
     )
 
 
@@ -234,6 +235,7 @@ def startup_summary(engine: SpecEngine, name: str, settings: ServeSettings) -> s
         f"{str(target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads | draft {draft_text} | "
         f"drafter {drafter}, k={k}{engine.config.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
         f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
+        + (f" | {engine.warm_up_report.describe()}" if engine.warm_up_report else "")
         + (" | API key required" if settings.api_key else "")
     )
 

@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--adaptive-k", action="store_true", help="choose k per step (up to --num-draft-tokens) from measured costs"
     )
+    serve.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run every forward eagerly instead of replaying CUDA graphs (on CPU forwards are always eager)",
+    )
     serve.add_argument("--min-draft-confidence", type=float, help="model drafts stop below this top probability")
     serve.add_argument("--self-layers", help="layers the self drafter runs, e.g. 0,1,2,20,21 (default: calibrated)")
     serve.add_argument(

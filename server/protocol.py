@@ -316,6 +316,8 @@ class ModelCard(BaseModel):
     # specserve's extension: what "speculative": {"drafter": ...} may name now ("none" is the target alone)
     drafters: list[str] = Field(default_factory=list)
     default_drafter: str = "none"
+    # decode tokens/s by drafter, measured on this server since it started (drafters used for 32+ tokens)
+    drafter_tokens_per_s: dict[str, float] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

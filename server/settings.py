@@ -28,7 +28,7 @@ class ServeSettings(BaseSettings):
 
     target: str | None = Field(default=None, description="model folder, hub id or .gguf file; none: embedded SmolLM2")
     draft: str | None = Field(default="auto", description="draft model ref, copy:DTYPE, none, or auto")
-    drafter: str = "model"
+    drafter: str = "auto"
     num_draft_tokens: int = Field(default=4, ge=0, le=64)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -40,6 +40,7 @@ class ServeSettings(BaseSettings):
     threads: int | None = Field(default=None, ge=1, description="CPU threads; none: the CPUs this process may use")
     needs: str | None = Field(default=None, description="what a preset needs to run, said when it cannot start")
     adaptive_k: bool = False
+    enforce_eager: bool = Field(default=False, description="never capture CUDA graphs; every forward runs eagerly")
     min_draft_confidence: float = Field(default=0.0, ge=0.0, lt=1.0)
     self_layers: str | None = Field(default=None, description="comma-separated layer indices for --drafter self")
     medusa_heads: str | None = None
@@ -92,6 +93,7 @@ class ServeSettings(BaseSettings):
             suffix_global=self.suffix_global,
             suffix_cache_requests=self.suffix_cache_requests,
             fault_injection=self.fault_injection,
+            forward="eager" if self.enforce_eager else "auto",
         )
 
     @classmethod

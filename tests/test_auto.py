@@ -4,6 +4,8 @@ request, costs shared, and every choice from past steps only. Exactness lives in
 
 from __future__ import annotations
 
+import pytest
+
 from engine.adaptive import StepCosts
 from engine.engine import Request
 from engine.sampling import SamplingParams
@@ -27,12 +29,29 @@ def test_the_choice_follows_cost_and_acceptance():
     auto.verify = StepCosts(0.0, {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036})
     auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(0.010), "staged": StepCosts(0.012)}
     auto._request.alpha = {"suffix": 0.1, "model": 0.9, "staged": 0.5}
-    assert auto._choose(4) == ("model", 4)
+    auto._request.last_tried = dict.fromkeys(auto.candidates, 0)  # all tried this request: no first runs or probes
+    prompt = [1, 2, 3]
+    assert auto._choose(prompt, 4) == ("model", 4)
+    # the draft model has read none of a 900-token context: at 10 ms a token, catching up loses
+    auto.catch_up = {"model": 0.010, "staged": 0.010}
+    assert auto._choose([1] * 900, 4) == (None, 0)
     auto._request.alpha["suffix"] = 0.9  # as good and nearly free
-    assert auto._choose(4) == ("suffix", 4)
+    assert auto._choose(prompt, 4) == ("suffix", 4)
     auto._request.alpha = {"suffix": 0.05, "model": 0.05, "staged": 0.05}
-    assert auto._choose(4) == (None, 0)  # nothing pays: plain decoding
-    assert auto._choose(0) == (None, 0)
+    assert auto._choose(prompt, 4) == (None, 0)  # nothing pays: plain decoding
+    assert auto._choose(prompt, 0) == (None, 0)
+
+
+def test_a_request_tries_suffix_first_whatever_earlier_requests_taught():
+    auto = auto_engine().drafter("auto")
+    auto.begin([1, 2, 3])
+    auto._request.alpha["suffix"] = 0.05  # a request where suffix matching never paid
+    auto._request.last_tried["suffix"] = 1
+    auto.begin([1, 2, 3])
+    auto.verify = StepCosts(0.0, {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036})
+    auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(0.010), "staged": StepCosts(0.012)}
+    assert auto._request.alpha["suffix"] == 0.5  # a text match's prior does not carry over
+    assert auto._choose([1, 2, 3], 4) == ("suffix", 4)
 
 
 def test_steps_report_who_drafted_and_greedy_output_is_the_targets():
@@ -55,9 +74,12 @@ def test_acceptance_is_learned_per_request_and_costs_across_requests():
     params = SamplingParams(max_tokens=40, temperature=1.0)
     list(engine.generate(Request("a", [1, 2, 3], params, drafter="auto")))
     assert all(costs.draft is not None for costs in auto.draft_costs.values())  # measured, kept for later
-    assert auto._request.alpha["model"] < 0.7
+    learned = auto._request.alpha["model"]
+    assert learned < 0.7
     auto.begin([4, 5, 6])
-    assert auto._request.alpha["model"] == 0.7  # the next request starts from the prior
+    # the next request starts from the prior, which moved toward what the last request measured
+    assert auto._request.alpha["model"] == pytest.approx(0.7 * 0.7 + 0.3 * learned)
+    assert learned < auto._request.alpha["model"] < 0.7
 
 
 def test_a_seeded_request_under_an_auto_default_runs_a_fixed_drafter():

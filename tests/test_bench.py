@@ -10,7 +10,7 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 
-from report import summarise, tables  # noqa: E402
+from report import summarise, summary, tables  # noqa: E402
 from runners import Run  # noqa: E402
 
 
@@ -41,10 +41,17 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
             "hf:generate": [_run(11, 1.0, "same")],  # 10 tokens/s after the first
             "hf:prompt-lookup": [_run(11, 0.5, "same")],  # 20
             "serve:none": [_run(11, 0.5, "same", forwards=10)],  # 20
+            "serve:default": [_run(11, 0.4, "same", forwards=5)],  # 25
             "serve:ngram": [_run(11, 0.2, "same", forwards=4)],  # 50
             "serve:self": [_run(11, 0.4, "different", forwards=5)],
             "engine:ngram": [_run(11, 0.25, "same", forwards=4)],  # 40
-        }
+        },
+        "chat": {
+            "hf:generate": [_run(11, 1.0, "a")],  # 10
+            "hf:prompt-lookup": [_run(11, 1.0, "a")],  # 10
+            "serve:none": [_run(11, 1.0, "a", forwards=10)],  # 10
+            "serve:default": [_run(11, 0.625, "a", forwards=6)],  # 16
+        },
     }
     report = summarise([], runs, bound_s=0.01)
     code = report["results"]["code"]
@@ -54,19 +61,20 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     assert code["serve:self"]["greedy_identical"] is False and code["serve:ngram"]["greedy_identical"] is True
     target = report["targets"]["code"]
     assert target["best"] == "serve:ngram" and target["best_hf"] == "hf:prompt-lookup"
-    assert target["best_vs_best_hf"] == 2.5 and target["met"] == {
-        "target_only_vs_hf_generate": True,
-        "best_vs_best_hf": True,
-        "best_vs_target_only": True,
-    }
+    assert target["default_vs_target_only"] == 1.25 and target["default_vs_best_hf"] == 1.25
+    assert target["met"] == {"default_vs_target_only": True, "default_vs_best_hf": True, "best_vs_target_only": True}
+    assert report["targets"]["chat"]["met"] == {"default_vs_target_only": True, "default_vs_best_hf": True}
+    assert report["targets"]["all"] == {"default_vs_target_only_geomean": 1.414, "met": False}  # sqrt(1.25 * 1.6)
     assert report["sse_vs_in_process"] == {"ngram": {"code": 1.25}}
-    text = tables(
-        {
-            "model": "m",
-            "settings": {"max_tokens": 10, "repeats": 1},
-            "machine": {"read_bandwidth_gb_s": 1},
-            "bound_ms_per_forward": 10,
-            **report,
-        }
-    )
-    assert "| serve:ngram | 50.0 (5.00x) |" in text
+    full = {
+        "model": "m",
+        "settings": {"max_tokens": 10, "repeats": 1},
+        "machine": {"read_bandwidth_gb_s": 1, "cpu": {"model": "cpu", "family": "25", "flags": ["avx2"], "cpus": 2}},
+        "bound_ms_per_forward": 10,
+        **report,
+    }
+    text = tables(full)
+    assert "| serve:ngram | 50.0 (2.50x) |" in text
+    short = summary(full, "bench/results/x.md")
+    assert "| code | 10.0 | 20.0 (prompt-lookup) | 20.0 | 25.0 | 50.0 (ngram) | 1.25x | 1.25x |" in short
+    assert "geometric mean: 1.41x" in short and "(bench/results/x.md)" in short

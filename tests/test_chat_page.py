@@ -68,6 +68,9 @@ def test_a_message_streams_in_and_the_stats_update(page):
     assert float(page.inner_text("#stat-speed")) > 0
     if accepted:  # text from accepted draft tokens is highlighted
         assert reply.locator("span.draft").count() >= 1
+    # the drafter menu lists what runs here, each with the speed measured on this server
+    page.wait_for_function("() => document.querySelector('#drafter option[value=model]').text.includes('tok/s here')")
+    assert page.locator("#drafter").input_value() == "model"  # the choice survives the refresh
 
 
 def test_a_second_turn_keeps_the_history_and_reuses_the_prefix(page, tmp_path):

@@ -15,7 +15,7 @@ from engine.engine import Request
 from engine.model import CausalLM
 from engine.sampling import RequestSampler, SamplingParams
 from engine.stats import SpecStats
-from tests.tiny import DRAFTER_SETUPS, perturbed_copy, setup_engine, tiny_engine, tiny_llama
+from tests.tiny import DEVICE_PATH_SETUPS, DRAFTER_SETUPS, perturbed_copy, setup_engine, tiny_engine, tiny_llama
 
 VOCAB = 8
 PROMPT = [1, 5, 2, 7, 1, 5]  # repeats, so n-gram lookup has something to propose
@@ -101,18 +101,27 @@ CASES_FOR = {
     "medusa": ("3tok-topk-topp", "3tok-penalties"),
     "suffix": ("2tok-topk",),  # deterministic proposals, verified one-hot like ngram (which runs both)
 }
-MATRIX = [
-    pytest.param("float32", setup, *case.values, id=f"float32-{setup}-{case.id}")
-    for setup in DRAFTER_SETUPS
-    for case in CASES
-    if setup == "model" or case.id in CASES_FOR.get(setup, ("2tok-topk", "3tok-penalties"))
-] + [
-    pytest.param(dtype, setup, *case.values, id=f"{dtype}-{setup}-{case.id}")
-    for dtype in ("bfloat16", "float16")
-    for setup in HALF_PRECISION_SETUPS
-    for case in CASES
-    if case.id == "2tok-topk"
-]
+MATRIX = (
+    [
+        pytest.param("float32", setup, *case.values, id=f"float32-{setup}-{case.id}")
+        for setup in DRAFTER_SETUPS
+        for case in CASES
+        if setup == "model" or case.id in CASES_FOR.get(setup, ("2tok-topk", "3tok-penalties"))
+    ]
+    + [
+        pytest.param(dtype, setup, *case.values, id=f"{dtype}-{setup}-{case.id}")
+        for dtype in ("bfloat16", "float16")
+        for setup in HALF_PRECISION_SETUPS
+        for case in CASES
+        if case.id == "2tok-topk"
+    ]
+    + [
+        pytest.param("float32", setup, *case.values, id=f"float32-{setup}-{case.id}")
+        for setup in DEVICE_PATH_SETUPS
+        for case in CASES
+        if case.id == "3tok-topk-topp"
+    ]
+)
 
 
 @pytest.mark.parametrize("dtype,setup,length,num_draft_tokens,sampling", MATRIX)
@@ -181,8 +190,12 @@ def run(engine, prompt, params) -> list[int]:
     return [token for output in engine.generate(Request("r", prompt, params)) for token in output.token_ids]
 
 
-@pytest.mark.parametrize("num_draft_tokens", [1, 2, 4, 7])
-@pytest.mark.parametrize("setup", list(DRAFTER_SETUPS))
+GREEDY_MATRIX = [(setup, k) for setup in DRAFTER_SETUPS for k in (1, 2, 4, 7)] + [
+    (setup, 4) for setup in DEVICE_PATH_SETUPS
+]
+
+
+@pytest.mark.parametrize("setup,num_draft_tokens", GREEDY_MATRIX)
 def test_greedy_speculative_equals_target_greedy(setup, num_draft_tokens):
     target = tiny_llama(seed=3, vocab_size=96, init=0.2)
     draft = perturbed_copy(target, noise=0.05, seed=num_draft_tokens)  # agrees often, not always

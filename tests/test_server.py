@@ -197,6 +197,10 @@ def test_a_request_can_choose_its_drafter_and_k(client):
     assert usage({"drafter": "none"})["drafted_tokens"] == 0
     model = usage({"num_draft_tokens": 1})
     assert model["drafter"] == "model" and model["mean_num_draft_tokens"] <= 1
+    for _ in range(3):  # 36 tokens with ngram: enough for a measured speed
+        usage({"drafter": "ngram"})
+    speeds = httpx.get(f"{client.base_url}models").json()["data"][0]["drafter_tokens_per_s"]
+    assert speeds["ngram"] > 0 and all(value > 0 for value in speeds.values())
 
 
 @pytest.mark.parametrize(

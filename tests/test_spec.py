@@ -79,3 +79,15 @@ def test_greedy_one_hot_distributions_reduce_to_argmax_match():
     q = eye[[3, 1, 0]]  # drafts 3, 1 agree; 0 does not
     verdict = rejection_sample(torch.tensor([3, 1, 0]), q, p, gen())
     assert verdict.num_accepted == 2 and verdict.next_token == 4
+
+
+def test_drafts_past_a_device_side_cutoff_are_never_accepted():
+    """num_proposed = 1 of k = 2: the second draft does not count, and when the first passes, the
+    next token comes from p_1, the target's distribution after one draft (not from p_2)."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    outcomes = [
+        rejection_sample(torch.tensor([0, 1]), None, p, gen(seed), num_proposed=torch.tensor(1)) for seed in range(200)
+    ]
+    # draft 0 kept then p_1's token, or resampled at row 0; counting draft 1 would give (0, 1, 0)
+    assert {tuple(v.token_ids) for v in outcomes} == {(0, 1), (1,)}
+    assert all(v.num_proposed == 1 and v.num_accepted <= 1 for v in outcomes)

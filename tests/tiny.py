@@ -101,6 +101,15 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
 }
 
 
+# The model drafter run the way a GPU runs it, proven on CPU: forwards compiled with fullgraph
+# (aot_eager: the traced graph without inductor's code generation, to keep the suite fast), and the
+# confidence cutoff decided on the device with every draft step run, as when the host must not wait.
+DEVICE_PATH_SETUPS: dict[str, tuple[bool, dict]] = {
+    "model-compiled": (True, {"drafter": "model", "forward": "compile", "compile_backend": "aot_eager"}),
+    "model-cutoff-on-device": (True, {"drafter": "model", "min_draft_confidence": 0.3}),
+}
+
+
 def random_medusa_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> Path:
     """A head checkpoint with random weights, so the heads guess differently from the LM head."""
     folder = Path(tempfile.mkdtemp(prefix="medusa-"))
@@ -114,12 +123,14 @@ def random_medusa_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> 
 
 
 def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, **kwargs) -> SpecEngine:
-    needs_draft, options = DRAFTER_SETUPS[setup]
+    needs_draft, options = {**DRAFTER_SETUPS, **DEVICE_PATH_SETUPS}[setup]
     if options["drafter"] == "medusa":
         options = {**options, "medusa_heads": str(random_medusa_heads(target.config.hidden_size))}
     engine = tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
     if options["drafter"] == "auto":  # try another candidate every step: choices change mid-request
         engine.drafter("auto").probe_every = 1
+    if setup == "model-cutoff-on-device":
+        engine.drafter("model").stop_early = False
     return engine
 
 

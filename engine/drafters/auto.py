@@ -3,9 +3,17 @@
 Candidates are what can run here: ``suffix``, ``model`` when a draft model is loaded, and the
 staged chain ``suffix,model``; drafting nothing (k = 0) is always an option. For candidate c at k
 drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds, where the
-acceptance a_c is this request's own (it starts from a per-drafter prior), and the draft cost d_c
-and verify cost v(k) are measured live on this host and shared by requests. A candidate that has not
-run for a while is tried again with one token, so its acceptance stays current at a bounded cost.
+acceptance a_c is this request's own, measured over the tokens c actually proposed. A request starts
+from a per-drafter prior: for a draft model, one that follows the acceptance of recent requests on
+this server (a bfloat16 copy of the target agrees with it far more often than a fixed prior
+assumes); for suffix matching a fixed one, since how well text repeats is the request's own affair. The draft cost d_c and
+verify cost v(k) are measured live on this host and shared by requests. A draft model that has not
+run lately must first read what it missed (at a request's start, the whole prompt): that catch-up,
+at its measured cost per token, is spread over the next ``HORIZON`` tokens when candidates are
+compared, so a long prompt is not prefilled into a draft that cannot win it back. A candidate that
+has not run for a while is tried again with one token when its catch-up is cheap, so its acceptance
+stays current at a bounded cost; one that has no catch-up to pay runs once early in every request,
+since a chat prompt's acceptance says little about the code or tool call that follows.
 
 Every choice depends only on earlier steps, never on the current step's random draws, so the output
 is still distributed exactly as the target's.
@@ -20,7 +28,11 @@ from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_to
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal, build, register
 
-PRIORS = {"suffix": 0.5, "model": ALPHA_PRIOR, "staged": ALPHA_PRIOR}  # acceptance before a request has any
+PRIORS = {"suffix": 0.5, "model": ALPHA_PRIOR, "staged": ALPHA_PRIOR}  # acceptance before any request ran
+PRIOR_WEIGHT = 0.3  # how much one finished request moves a drafter's prior
+HORIZON = 64  # tokens over which a candidate's catch-up is paid back
+CHEAP_PROBE_EVERY = 4  # candidates without a draft model (suffix) are retried this often: a probe costs a row
+ALPHA_SMOOTHING = 0.25  # a request's acceptance follows its own steps quickly (a chat turn is short)
 
 
 @dataclass(slots=True)
@@ -28,6 +40,10 @@ class _Choice:
     name: str | None  # None: no drafting this step
     num_draft_tokens: int
     sequence_length: int  # committed tokens when the proposal was made
+    # the candidate also ran the step before, so its time is one step's drafting; after a gap it
+    # first catches up on everything since (the whole prompt, for a draft model's first step)
+    steady: bool = False
+    lag: int = 0  # tokens the candidate read before proposing
     drafted: int = 0  # tokens actually proposed
     draft_seconds: float = 0.0
     proposed_at: float = 0.0
@@ -48,6 +64,8 @@ class AutoDrafter:
         self.candidates = candidates
         self.draft_costs: dict[str, StepCosts] = {name: StepCosts() for name in candidates}  # across requests
         self.verify = StepCosts()  # verify cost by k, whatever drafted
+        self.catch_up: dict[str, float] = {}  # seconds per token a candidate takes to read what it missed
+        self.priors = {name: PRIORS.get(name, ALPHA_PRIOR) for name in candidates}  # across requests
         self._request = _Request()
         self._choice: _Choice | None = None
 
@@ -59,14 +77,19 @@ class AutoDrafter:
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         for candidate in self.candidates.values():
             candidate.begin(prompt_ids, tenant)
-        self._request = _Request(alpha={name: PRIORS.get(name, ALPHA_PRIOR) for name in self.candidates})
+        finished = self._request
+        for name in finished.last_tried:  # what the last request learned about the draft models it ran
+            if self._lag(name, []) is not None:  # a model's agreement carries over; a text match's does not
+                self.priors[name] = (1 - PRIOR_WEIGHT) * self.priors[name] + PRIOR_WEIGHT * finished.alpha[name]
+        self._request = _Request(alpha=dict(self.priors))
         self._choice = None
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
         request.step += 1
-        name, k = self._choose(num_draft_tokens)
-        choice = _Choice(name, k, len(token_ids))
+        name, k = self._choose(token_ids, num_draft_tokens)
+        steady = request.last_tried.get(name) == request.step - 1
+        choice = _Choice(name, k, len(token_ids), steady=steady, lag=self._lag(name, token_ids) or 0)
         started = time.perf_counter()
         proposal = Proposal.empty(sampler.device)
         if name is not None and k > 0:
@@ -88,34 +111,57 @@ class AutoDrafter:
         self.verify.observe(choice.drafted, 0.0, verify_seconds)
         if choice.name is None or choice.num_draft_tokens == 0:
             return
-        self.draft_costs[choice.name].observe(max(choice.drafted, 1), choice.draft_seconds, verify_seconds)
-        # A proposal shorter than asked counts its missing tokens as rejected: asking this drafter for
-        # k tokens yields that many less often, which is what the next choice needs to know.
+        costs = self.draft_costs[choice.name]
+        if choice.steady:  # a step that caught up first would price drafting at prefill cost
+            costs.observe(max(choice.drafted, 1), choice.draft_seconds, verify_seconds)
+        elif choice.lag > choice.num_draft_tokens + 2 and costs.draft is not None:
+            reading = max(choice.draft_seconds - choice.drafted * costs.draft, 0.0) / choice.lag
+            self.catch_up[choice.name] = _update(self.catch_up.get(choice.name), reading)
+        if choice.drafted == 0:  # nothing proposed (no match): the step cost a plain decode, says nothing of a
+            return
         accepted = num_committed - choice.sequence_length
-        observed = observed_acceptance(accepted, choice.num_draft_tokens)
+        observed = observed_acceptance(accepted, choice.drafted)
         alpha = self._request.alpha
-        alpha[choice.name] = min(0.99, _update(alpha[choice.name], observed))
+        alpha[choice.name] = min(0.99, (1 - ALPHA_SMOOTHING) * alpha[choice.name] + ALPHA_SMOOTHING * observed)
 
-    def _choose(self, limit: int) -> tuple[str | None, int]:
+    def _lag(self, name: str | None, token_ids: list[int]) -> int | None:
+        """Tokens a candidate with a draft model must read first; None for candidates without one."""
+        lag = getattr(self.candidates.get(name), "lag", None)
+        return lag(token_ids) if lag is not None else None
+
+    def _catch_up_seconds(self, name: str, token_ids: list[int]) -> float:
+        """What reading its lag would cost the candidate now (before a measurement: at its draft cost)."""
+        lag = self._lag(name, token_ids)
+        return lag * self.catch_up.get(name, self.draft_costs[name].draft or 0.0) if lag else 0.0
+
+    def _choose(self, token_ids: list[int], limit: int) -> tuple[str | None, int]:
         """(candidate, k) with the most expected tokens per second; (None, 0) to draft nothing."""
         if limit <= 0:
             return None, 0
         request = self._request
         for name, costs in self.draft_costs.items():
-            if costs.draft is None:  # measure every candidate once
+            if costs.draft is None:  # measure every candidate once, over two consecutive steps (see steady)
                 return name, limit
         if 0 not in self.verify.verify:
             return None, 0  # and plain decoding once
+        plain_step = self.verify.verify_cost(0)
+        catch_up = {name: self._catch_up_seconds(name, token_ids) for name in self.candidates}
         for name in self.candidates:  # keep each candidate's acceptance current, one token at a time
-            if request.step - request.last_tried.get(name, 0) > self.probe_every:
+            if catch_up[name] > plain_step:
+                continue  # a probe must stay cheap
+            if name not in request.last_tried:  # this request's text may suit it better than the prior says
+                return name, limit
+            every = self.probe_every if self._lag(name, []) is not None else min(self.probe_every, CHEAP_PROBE_EVERY)
+            if request.step - request.last_tried[name] > every:
                 return name, 1
-        best, best_rate = (None, 0), self.verify.tokens_per_second(0.0, 0)
+        best, best_rate = (None, 0), 1.0 / plain_step
         for name, costs in self.draft_costs.items():
             alpha = request.alpha[name]
             for k in range(1, limit + 1):
-                rate = expected_tokens(alpha, k) / (k * (costs.draft or 0.0) + self.verify.verify_cost(k))
-                if rate > best_rate:
-                    best, best_rate = (name, k), rate
+                tokens = expected_tokens(alpha, k)
+                seconds = k * (costs.draft or 0.0) + self.verify.verify_cost(k) + catch_up[name] * tokens / HORIZON
+                if tokens / seconds > best_rate:
+                    best, best_rate = (name, k), tokens / seconds
         return best
 
 

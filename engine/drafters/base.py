@@ -22,6 +22,9 @@ class Proposal:
     token_ids: torch.Tensor  # [k] int64
     probs: torch.Tensor | None  # [k, V] the distributions the tokens were drawn from; None for deterministic drafts
     drafter: str | None = None  # who proposed, when a drafter delegates (auto); None: the drafter asked
+    # [] how many leading drafts count, when a confidence cutoff was decided on the device (the
+    # rest were drafted anyway, so the host never waited); None: all of them
+    num_proposed: torch.Tensor | None = None
 
     @staticmethod
     def empty(device: torch.device) -> Proposal:
@@ -46,33 +49,49 @@ class Drafter(Protocol):
 
 def sample_chain(
     logits: torch.Tensor,
-    advance: Callable[[int], torch.Tensor],
+    advance: Callable[[torch.Tensor], torch.Tensor],
     num_draft_tokens: int,
     sampler: RequestSampler,
-    drafted: list[int] | None = None,
+    drafted: torch.Tensor | None = None,
     rows: list[torch.Tensor] | None = None,
     min_confidence: float = 0.0,
+    stop_early: bool | None = None,
 ) -> Proposal:
-    """Sample draft tokens one at a time until there are ``num_draft_tokens``.
+    """Sample draft tokens one at a time until there are ``num_draft_tokens``, on the device.
 
-    ``logits`` [1, V] follow the last token so far; ``advance(token)`` feeds a sampled token to the
-    drafting model and returns the next [1, V] logits. ``drafted``/``rows`` continue an existing
-    draft (tokens with the distributions they came from). Drafting stops early when q's top
-    probability falls below ``min_confidence``: a decision from q alone, so verification stays exact.
+    ``logits`` [1, V] follow the last token so far; ``advance(token)`` feeds a sampled token [1] to
+    the drafting model and returns the next [1, V] logits. ``drafted`` [m] / ``rows`` continue an
+    existing draft (tokens with the distributions they came from). No token is read back: the host
+    never waits for the device while drafting.
+
+    Drafting ends at the first position where q's top probability falls below ``min_confidence``, a
+    decision from q alone, so verification stays exact. It is made on the device (a count of leading
+    confident drafts, ``Proposal.num_proposed``). With ``stop_early`` (default: on CPU, where reading
+    it back costs nothing) the loop also stops there and saves the remaining draft forwards.
     """
-    drafted, rows = list(drafted or []), list(rows or [])
-    while len(drafted) < num_draft_tokens:
-        q = sampler.probs(logits, torch.tensor(drafted, dtype=torch.long, device=logits.device))  # [1, V]
-        if min_confidence and float(q[0].max()) < min_confidence:
-            break
-        drafted.append(int(sample_one(q[0], sampler.generator)))
-        rows.append(q[0])
-        if len(drafted) < num_draft_tokens:
-            logits = advance(drafted[-1])
-    if not drafted:
-        return Proposal.empty(logits.device)
-    token_ids = torch.tensor(drafted[:num_draft_tokens], dtype=torch.long, device=logits.device)  # [k]
-    return Proposal(token_ids, torch.stack(rows[:num_draft_tokens]))  # [k], [k, V]
+    device = logits.device
+    tokens = list(drafted.unbind(0)) if drafted is not None else []  # each [] int64
+    rows = list(rows or [])
+    # filled on the device: torch.tensor(value, device=...) would copy from the host and wait for the device
+    num_proposed = torch.full((), len(tokens), dtype=torch.long, device=device)  # [] leading drafts past the cutoff
+    confident = torch.ones((), dtype=torch.bool, device=device)  # [] every draft so far passed
+    stops_early = device.type == "cpu" if stop_early is None else stop_early
+    while len(tokens) < num_draft_tokens:
+        appended = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long, device=device)
+        q = sampler.probs(logits, appended)[0]  # [V]
+        if min_confidence:
+            confident = confident & (q.max() >= min_confidence)
+            if stops_early and not bool(confident):
+                break
+            num_proposed = num_proposed + confident.long()
+        tokens.append(sample_one(q, sampler.generator))
+        rows.append(q)
+        if len(tokens) < num_draft_tokens:
+            logits = advance(tokens[-1].view(1))
+    if not tokens:
+        return Proposal.empty(device)
+    cut = num_proposed if min_confidence and not stops_early else None
+    return Proposal(torch.stack(tokens[:num_draft_tokens]), torch.stack(rows[:num_draft_tokens]), num_proposed=cut)
 
 
 @dataclass(frozen=True, slots=True)

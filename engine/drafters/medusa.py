@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import ConfigError
-from ..model import CausalLM
+from ..model import CausalLM, upload
 from ..sampling import RequestSampler
 from ..spec import sample_one
 from .base import DraftResources, Proposal, register
@@ -100,11 +100,11 @@ class MedusaDrafter:
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(count):
-            appended = torch.tensor(drafted, dtype=torch.long, device=logits.device)
+            appended = upload(drafted, logits.device)
             q = sampler.probs(logits[i : i + 1], appended)  # [1, V]
             drafted.append(int(sample_one(q[0], sampler.generator)))
             rows.append(q[0])
-        return Proposal(torch.tensor(drafted, dtype=torch.long, device=logits.device), torch.stack(rows))
+        return Proposal(upload(drafted, logits.device), torch.stack(rows))
 
     def accept(self, num_committed: int) -> None:
         """Keep the target's hidden state at the last committed position, from the verify pass."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model import upload
 from ..sampling import RequestSampler
 from .base import DraftResources, Proposal, register
 
@@ -33,7 +34,7 @@ class NgramDrafter:
             follows = self._index[n].get(tuple(token_ids[-n:]))
             if follows is not None:
                 continuation = token_ids[follows : follows + num_draft_tokens]
-                return Proposal(torch.tensor(continuation, dtype=torch.long, device=self.device), None)
+                return Proposal(upload(continuation, self.device), None)
         return Proposal.empty(self.device)
 
     def accept(self, num_committed: int) -> None:

@@ -41,9 +41,9 @@ class SelfDrafter:
         pending = token_ids[start:]
         position = start + len(pending)
 
-        def advance(token: int) -> torch.Tensor:
+        def advance(token: torch.Tensor) -> torch.Tensor:
             nonlocal position
-            logits = self.target.draft_through([token], position, self.layers)  # [1, V]
+            logits = self.target.draft_through(token, position, self.layers)  # [1] -> [1, V]
             position += 1
             return logits
 

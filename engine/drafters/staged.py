@@ -30,6 +30,10 @@ class StagedDrafter:
             proposal = stage.refine(token_ids, proposal, num_draft_tokens, sampler)
         return proposal
 
+    def lag(self, token_ids: list[int]) -> int:
+        """The most any stage must read before proposing (see ModelDrafter.lag); 0 for host-side stages."""
+        return max(getattr(stage, "lag", lambda ids: 0)(token_ids) for stage in self.stages)
+
     def accept(self, num_committed: int) -> None:
         for stage in self.stages:
             stage.accept(num_committed)

@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict, defaultdict
 
 import torch
 
+from ..model import upload
 from ..sampling import RequestSampler
 from .base import DraftResources, Proposal, register
 
@@ -132,7 +133,7 @@ class SuffixDrafter:
             context = (context + [token])[-self.max_match :]
         if not drafted:
             return Proposal.empty(self.device)
-        return Proposal(torch.tensor(drafted, dtype=torch.long, device=self.device), None)
+        return Proposal(upload(drafted, self.device), None)
 
     def accept(self, num_committed: int) -> None:
         """Nothing to roll back: the indexes hold committed tokens only."""

@@ -1,0 +1,160 @@
+"""Decode-shaped forwards, compiled or captured once per shape and then replayed.
+
+A decode-shaped forward feeds at most ``max_query`` tokens: a draft step (1), the target's verify
+(k + 1), a draft catching up after a fully accepted run, the self drafter's partial pass. Each
+launches about 30 kernels per layer; on a GPU, dispatching them one by one costs more than the
+kernels themselves, so these forwards are recorded once and replayed. Prefill is long and rare and
+stays eager.
+
+A variant is one (query length, window, layer set). Attention reads the first ``window`` cache
+positions under a causal mask (``CausalLM.static_forward``), the window being the smallest of a few
+sizes (powers of two from 256, and the cache length) that holds the last query position: reads stay
+within twice the live context however large ``--max-model-len`` is, at one variant per size.
+
+Two ways to run the variants (``EngineConfig.forward``):
+- ``cuda-graphs``: each variant is a ``torch.cuda.CUDAGraph`` over static input buffers, all
+  captured at start-up into one memory pool; a step copies its token ids and positions in, replays,
+  and copies the outputs out before another graph can reuse the pool.
+- ``compile``: ``torch.compile(fullgraph=True, dynamic=False)`` per variant. Each variant compiles
+  its own copy of the step function (its own code object): dynamo keeps compiled code and its
+  recompile limit per code object, so models and query lengths sharing one would evict each other
+  and stall at the limit. A recompile then shows as a second compilation of one variant
+  (``compilations``). On CPU this proves the static forward traces without graph breaks; compiled
+  float32 measured slower than eager there, so CPU serving stays eager.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError
+
+MIN_WINDOW = 256
+MODES = ("cuda-graphs", "compile")
+
+Key = tuple[int, int, tuple[int, ...]]  # (query length, window, layers)
+
+
+def windows(max_len: int) -> list[int]:
+    """The attention windows for a cache of ``max_len``: 256, 512, ... and ``max_len`` itself."""
+    sizes, size = [], MIN_WINDOW
+    while size < max_len:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_len]
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor  # [T] static input buffer
+    positions: torch.Tensor  # [T] static input buffer
+    hidden: torch.Tensor  # [T, E] static output
+    logits: torch.Tensor  # [T, V] static output
+
+
+class GraphRunner:
+    """Runs one model's decode-shaped forwards as compiled or captured variants."""
+
+    def __init__(self, model, mode: str, max_query: int, backend: str = "inductor") -> None:
+        if mode not in MODES:
+            raise ConfigError(f"forward mode must be one of {MODES}, got {mode!r}")
+        if mode == "cuda-graphs" and model.device.type != "cuda":
+            raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {model.device}")
+        self.model = model
+        self.mode = mode
+        self.max_query = max_query
+        self.windows = windows(model.max_len)
+        self.backend = backend
+        self.compilations: dict[Key, int] = {}  # compile mode: how often each variant compiled
+        self.seconds = 0.0  # spent compiling or capturing
+        self._variants: dict[Key, Callable | _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle() if mode == "cuda-graphs" else None
+
+    def handles(self, num_tokens: int, start: int) -> bool:
+        return num_tokens <= self.max_query
+
+    def window(self, end: int) -> int:
+        return next(size for size in self.windows if size >= end)
+
+    @property
+    def num_variants(self) -> int:
+        return len(self._variants)
+
+    def run(self, input_ids: torch.Tensor, start: int, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] at positions [start, start+T) -> (normalised hidden [T, E], logits [T, V])."""
+        num_tokens = input_ids.shape[0]
+        key = (num_tokens, self.window(start + num_tokens), layers)
+        positions = self.model.positions[start : start + num_tokens]  # [T]
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._prepare(key, input_ids, positions)
+        if self.mode == "compile":  # fresh inputs: views of other tensors would be guarded apart
+            return variant(input_ids.clone(), positions.clone())
+        variant.input_ids.copy_(input_ids)
+        variant.positions.copy_(positions)
+        variant.graph.replay()
+        # every graph shares one pool: copy out before another replay can reuse this memory
+        return variant.hidden.clone(), variant.logits.clone()
+
+    @torch.inference_mode()  # as serving calls run: a compiled variant is guarded on the grad mode
+    def warm_up(self, layer_sets: Iterable[tuple[int, ...]]) -> None:
+        """Capture (or compile) every variant serving can ask for, so none is made while serving. It
+        writes scratch keys and values at the first positions of the cache: call it before any
+        request, then roll the cache back."""
+        for layers in layer_sets:
+            for num_tokens in range(1, self.max_query + 1):
+                for window in self.windows:
+                    key = (num_tokens, window, layers)
+                    if num_tokens <= window and key not in self._variants:
+                        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.model.device)
+                        positions = self.model.positions[:num_tokens]
+                        variant = self._prepare(key, input_ids, positions)
+                        if self.mode == "compile":  # compiling happens on the first call
+                            started = time.perf_counter()
+                            variant(input_ids.clone(), positions.clone())
+                            self.seconds += time.perf_counter() - started
+
+    def _prepare(self, key: Key, input_ids: torch.Tensor, positions: torch.Tensor):
+        started = time.perf_counter()
+        variant = self._compile(key) if self.mode == "compile" else self._capture(key, input_ids, positions)
+        self._variants[key] = variant
+        self.seconds += time.perf_counter() - started
+        return variant
+
+    def _compile(self, key: Key) -> Callable:
+        _, window, layers = key
+        model = self.model
+
+        def step(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return model.static_forward(input_ids, positions, window, layers)
+
+        # a fresh code object per variant: its own dynamo cache, so one compilation each
+        fresh = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, None, step.__closure__)
+        inner = torch._dynamo.lookup_backend(self.backend)
+
+        def counting_backend(graph_module, example_inputs):
+            self.compilations[key] = self.compilations.get(key, 0) + 1
+            return inner(graph_module, example_inputs)
+
+        return torch.compile(fresh, backend=counting_backend, fullgraph=True, dynamic=False)
+
+    def _capture(self, key: Key, input_ids: torch.Tensor, positions: torch.Tensor) -> _Captured:
+        """Run the variant once for real (which also makes this call's keys and values right), then
+        record it. Recording executes nothing, so the cache keeps what the real run wrote."""
+        _, window, layers = key
+        static_ids, static_positions = input_ids.clone(), positions.clone()  # [T], [T]
+        side = torch.cuda.Stream(self.model.device)  # warm-up off the capturing stream, as capture requires
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side):
+            self.model.static_forward(static_ids, static_positions, window, layers)
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden, logits = self.model.static_forward(static_ids, static_positions, window, layers)
+        return _Captured(graph, static_ids, static_positions, hidden, logits)
