@@ -231,7 +231,7 @@ def engine_check(device: torch.device, dtypes: list[torch.dtype], graphs: str, a
         for param in draft_hf.parameters():
             param.data.add_(torch.randn_like(param) * 0.01)
         prompt = [random.Random(2).randrange(2048) for _ in range(40)]
-        params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=24 if args.smoke else 96, temperature=0.0, ignore_eos=True)
         outputs, syncs = {}, {}
         for name, forward, drafter in (("eager-target-only", "eager", "none"), ("graphs-model", graphs, "model")):
             config = EngineConfig(
@@ -295,7 +295,8 @@ def main() -> None:
     started = time.perf_counter()
     if args.smoke:
         device, shapes, vocab, graphs = torch.device("cpu"), SMOKE_SHAPES, 1000, "compile"
-        args.backend, args.dtypes, args.max_verify = "aot_eager", "float32", min(args.max_verify, 5)
+        args.backend, args.dtypes, args.k = "aot_eager", "float32", min(args.k, 2)  # few shapes to compile
+        args.max_verify = min(args.max_verify, args.k + 1)
         args.context, args.new_tokens, args.repeats = (
             min(args.context, 64),
             min(args.new_tokens, 24),

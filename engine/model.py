@@ -113,7 +113,7 @@ class CausalLM:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normalised hidden [N, E], logits [N, V]) of the last ``num_logits`` of the new tokens."""
         layers = layers if layers is not None else self.all_layers
-        if self.runner is not None and self.runner.handles(input_ids.shape[0], start):
+        if self.runner is not None and self.runner.handles(input_ids.shape[0]):
             hidden, logits = self.runner.run(input_ids, start, layers)  # [T, E], [T, V]
             return hidden[-num_logits:], logits[-num_logits:]
         end = start + input_ids.shape[0]
@@ -234,8 +234,12 @@ def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's RMSNorm as one fused call (the module's own forward launches about six kernels)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    """The checkpoint's RMSNorm with the normalisation as one fused call (the module's own forward
+    launches about six kernels), rounded as the checkpoint rounds it: normalised in float32, cast to
+    the input's dtype, then scaled. In half precision, normalising in the input's dtype instead
+    turned the embedded model's bfloat16 answers into nonsense."""
+    normalised = F.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon)  # [.., E] float32
+    return norm.weight * normalised.to(x.dtype)
 
 
 def upload(token_ids: list[int], device: torch.device) -> torch.Tensor:

@@ -76,7 +76,8 @@ class GraphRunner:
         self._variants: dict[Key, Callable | _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda-graphs" else None
 
-    def handles(self, num_tokens: int, start: int) -> bool:
+    def handles(self, num_tokens: int) -> bool:
+        """Decode-shaped: few enough new tokens to have a variant (prefill stays eager)."""
         return num_tokens <= self.max_query
 
     def window(self, end: int) -> int:

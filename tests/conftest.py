@@ -100,6 +100,10 @@ def server(tiny_model_dirs, tmp_path_factory) -> Iterator[Server]:
             "256",
             "--num-draft-tokens",
             "3",
+            # the model drafter, not the server default (auto), whose choices follow measured timings:
+            # these tests count drafts and repeat seeded outputs (auto has tests of its own)
+            "--drafter",
+            "model",
             "--served-model-name",
             "tiny",
             "--seed",

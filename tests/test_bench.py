@@ -15,18 +15,23 @@ from runners import Run  # noqa: E402
 
 
 def test_gpu_script_runs_on_cpu_with_small_sizes(tmp_path):
+    """bench/gpu.sh end to end on CPU: tiny models, compiled (aot_eager) where a GPU would capture graphs."""
     out = tmp_path / "gpu.json"
     result = subprocess.run(
         ["bash", str(REPO / "bench" / "gpu.sh"), "--smoke", "--out", str(out)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert report["smoke"] and report["target_forward_1_ms"] > 0 and report["draft_step_ms"] > 0
-    assert {"target_forward_5_ms", "bandwidth_fraction_target_forward_1", "read_bandwidth_gb_s"} <= set(report)
-    rates = {entry["alpha"]: entry for entry in report["forced_acceptance"]}
-    assert set(rates) == {0.6, 0.8, 1.0}
-    assert rates[1.0]["tokens_per_step"] == 5.0  # k = 4 drafts all accepted, plus the bonus token
-    assert rates[0.6]["tokens_per_step"] < rates[1.0]["tokens_per_step"]
+    assert report["smoke"] and report["graphs_mode"] == "compile" and report["k"] == 2
+    entry = report["dtypes"]["float32"]
+    for mode in ("eager", "compile"):
+        costs = entry[mode]
+        assert costs["target_step_1_ms"] > 0 and costs["draft_step_ms"] > 0 and set(costs["verify_ms"]) == {"2", "3"}
+        assert set(costs["forced_acceptance_tokens_per_s"]) == {"0.6", "0.8", "1.0"}
+        assert {"hbm_fraction_target_step", "verify_3_over_target_step", "predicted_speedup_at_0.8"} <= set(costs)
+    assert entry["compile"]["variants"] > 0 and entry["windows"]
+    check = report["engine_check"]["float32"]
+    assert check["identical"]  # speculative output with compiled forwards equals eager target-only output
 
 
 def _run(tokens: int, seconds: float, text: str, forwards: int | None = None) -> Run:

@@ -6,14 +6,15 @@ drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k
 acceptance a_c is this request's own, measured over the tokens c actually proposed. A request starts
 from a per-drafter prior: for a draft model, one that follows the acceptance of recent requests on
 this server (a bfloat16 copy of the target agrees with it far more often than a fixed prior
-assumes); for suffix matching a fixed one, since how well text repeats is the request's own affair. The draft cost d_c and
-verify cost v(k) are measured live on this host and shared by requests. A draft model that has not
-run lately must first read what it missed (at a request's start, the whole prompt): that catch-up,
-at its measured cost per token, is spread over the next ``HORIZON`` tokens when candidates are
-compared, so a long prompt is not prefilled into a draft that cannot win it back. A candidate that
-has not run for a while is tried again with one token when its catch-up is cheap, so its acceptance
-stays current at a bounded cost; one that has no catch-up to pay runs once early in every request,
-since a chat prompt's acceptance says little about the code or tool call that follows.
+assumes); for suffix matching a fixed one, since how well text repeats is the request's own affair.
+The draft cost d_c and verify cost v(k) are measured live on this host and shared by requests.
+
+A draft model that has not run lately must first read what it missed (at a request's start, the
+whole prompt): that catch-up, at its measured cost per token, is spread over the next ``HORIZON``
+tokens when candidates are compared, so a long prompt is not prefilled into a draft that cannot win
+it back. A candidate whose catch-up is cheap (suffix has none) runs once early in every request,
+since a chat prompt's acceptance says little about the code or tool call that follows, and is tried
+again with one token after a while unused, so its acceptance stays current at a bounded cost.
 
 Every choice depends only on earlier steps, never on the current step's random draws, so the output
 is still distributed exactly as the target's.
@@ -79,7 +80,7 @@ class AutoDrafter:
             candidate.begin(prompt_ids, tenant)
         finished = self._request
         for name in finished.last_tried:  # what the last request learned about the draft models it ran
-            if self._lag(name, []) is not None:  # a model's agreement carries over; a text match's does not
+            if self._reads(name):  # a model's agreement carries over; a text match's does not
                 self.priors[name] = (1 - PRIOR_WEIGHT) * self.priors[name] + PRIOR_WEIGHT * finished.alpha[name]
         self._request = _Request(alpha=dict(self.priors))
         self._choice = None
@@ -124,10 +125,13 @@ class AutoDrafter:
         alpha = self._request.alpha
         alpha[choice.name] = min(0.99, (1 - ALPHA_SMOOTHING) * alpha[choice.name] + ALPHA_SMOOTHING * observed)
 
+    def _reads(self, name: str | None) -> bool:
+        """Whether the candidate runs a draft model, which must read the sequence before proposing."""
+        return hasattr(self.candidates.get(name), "lag")
+
     def _lag(self, name: str | None, token_ids: list[int]) -> int | None:
         """Tokens a candidate with a draft model must read first; None for candidates without one."""
-        lag = getattr(self.candidates.get(name), "lag", None)
-        return lag(token_ids) if lag is not None else None
+        return self.candidates[name].lag(token_ids) if self._reads(name) else None
 
     def _catch_up_seconds(self, name: str, token_ids: list[int]) -> float:
         """What reading its lag would cost the candidate now (before a measurement: at its draft cost)."""
@@ -151,7 +155,7 @@ class AutoDrafter:
                 continue  # a probe must stay cheap
             if name not in request.last_tried:  # this request's text may suit it better than the prior says
                 return name, limit
-            every = self.probe_every if self._lag(name, []) is not None else min(self.probe_every, CHEAP_PROBE_EVERY)
+            every = self.probe_every if self._reads(name) else min(self.probe_every, CHEAP_PROBE_EVERY)
             if request.step - request.last_tried[name] > every:
                 return name, 1
         best, best_rate = (None, 0), 1.0 / plain_step
