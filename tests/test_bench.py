@@ -30,8 +30,6 @@ def test_gpu_script_runs_on_cpu_with_small_sizes(tmp_path):
         assert set(costs["forced_acceptance_tokens_per_s"]) == {"0.6", "0.8", "1.0"}
         assert {"hbm_fraction_target_step", "verify_3_over_target_step", "predicted_speedup_at_0.8"} <= set(costs)
     assert entry["compile"]["variants"] > 0 and entry["windows"]
-    check = report["engine_check"]["float32"]
-    assert check["identical"]  # speculative output with compiled forwards equals eager target-only output
 
 
 def _run(tokens: int, seconds: float, text: str, forwards: int | None = None) -> Run:
