@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine.adaptive import expected_tokens
 from engine.model import CausalLM
 from engine.runner import GraphRunner
 
@@ -130,10 +131,6 @@ def forced_acceptance(
         produced += accepted + 1
     sync(device)
     return produced / (time.perf_counter() - start)
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    return k + 1.0 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def measure_mode(target: CausalLM, draft: CausalLM, mode: str, args, device, bandwidth: float) -> dict:

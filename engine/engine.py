@@ -221,15 +221,15 @@ class SpecEngine:
         reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
         max_query = self.config.num_draft_tokens + 2
         variants = 0
+        self_drafter = self._drafters.get("self")
         for model in self.models:
             layer_sets = [model.all_layers]
-            self_drafter = self._drafters.get("self")
             if model is self.target and self_drafter is not None:
                 layer_sets.append(self_drafter.layers)
             if model.runner is None:
                 for num_tokens in range(1, min(max_query, model.max_len) + 1):
-                    model.extend([0] * num_tokens, num_logits=num_tokens)
                     model.cache.rollback(0)
+                    model.extend([0] * num_tokens, num_logits=num_tokens)
             else:
                 model.runner.warm_up(layer_sets)
                 variants += model.runner.num_variants

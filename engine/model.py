@@ -169,7 +169,7 @@ class CausalLM:
 
     def _attention(self, attn, x, index, positions, window, cos, sin, mask) -> torch.Tensor:
         num_new, heads, kv_heads, dim = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self._fused_linear(x, attn.qkv_weight, attn.qkv_bias, 3)  # [1, T, (H + 2 H_kv) D]
+        qkv = self._fused_linear(x, attn, ("q_proj", "k_proj", "v_proj"), "qkv")  # [1, T, (H + 2 H_kv) D]
         v = qkv[..., (heads + kv_heads) * dim :].view(1, num_new, kv_heads, dim).transpose(1, 2)  # [1, H_kv, T, D]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
             q = attn.q_norm(qkv[..., : heads * dim].view(1, num_new, heads, dim))  # [1, T, H, D]
@@ -188,27 +188,17 @@ class CausalLM:
         return attn.o_proj(out)  # [1, T, E]
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._fused_linear(x, mlp.gate_up_weight, mlp.gate_up_bias, 2).chunk(2, dim=-1)  # [1, T, I] each
+        gate, up = self._fused_linear(x, mlp, ("gate_proj", "up_proj"), "gate_up").chunk(2, dim=-1)  # [1, T, I] each
         return mlp.down_proj(mlp.act_fn(gate) * up)  # [1, T, E]
 
-    def _fused_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int):
-        """x [1, T, I] through a fused weight [O, I] -> [1, T, O]. On a GPU one product (fewer kernels
-        is the point); on CPU one product per original layer, which measured faster there (a verify's
-        5 rows through the fused 3072-row MLP weight took the slow path LM_HEAD_SLICE describes)."""
+    def _fused_linear(self, x: torch.Tensor, module: nn.Module, names: tuple[str, ...], fused: str) -> torch.Tensor:
+        """x [1, T, I] through the layers ``fuse_linears`` stacked -> [1, T, sum of O]. On a GPU one
+        product (fewer kernels is the point); on CPU the original layers one by one (their weights are
+        views of the fused one), which measured faster there (a verify's 5 rows through the fused
+        3072-row MLP weight took the slow path LM_HEAD_SLICE describes)."""
         if self.device.type != "cpu":
-            return F.linear(x, weight, bias)
-        linears = self._parts_of(weight, parts)
-        return torch.cat([F.linear(x, w, None if bias is None else bias[a:b]) for w, (a, b) in linears], dim=-1)
-
-    def _parts_of(self, weight: torch.Tensor, parts: int) -> list[tuple[torch.Tensor, tuple[int, int]]]:
-        """The row blocks of a fused weight: (q, k, v) or (gate, up)."""
-        if parts == 2:
-            half = weight.shape[0] // 2
-            bounds = [(0, half), (half, 2 * half)]
-        else:
-            q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            bounds = [(0, q_rows), (q_rows, q_rows + kv_rows), (q_rows + kv_rows, q_rows + 2 * kv_rows)]
-        return [(weight[a:b], (a, b)) for a, b in bounds]
+            return F.linear(x, getattr(module, f"{fused}_weight"), getattr(module, f"{fused}_bias"))
+        return torch.cat([getattr(module, name)(x) for name in names], dim=-1)
 
 
 def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
