@@ -1,53 +1,73 @@
-"""Guard the LM-head formulation in engine/model.py: one ``F.linear`` vs vocabulary slices, by row count.
+"""What the engine's MatmulPlan measures on this host, on the embedded model's own weights.
 
     .venv/bin/python bench/matmul.py            # writes bench/results/matmul.json
 
-The weight is read from memory, not cache (a large buffer is touched between repeats), as in a
-real forward. If slices stop winning at LM_HEAD_SLICE_MIN_ROWS rows or more, change the constants.
+For the float32 target and its bfloat16 copy: every weight shape at 1..6 rows (decode and a k = 4
+verify) and at LONG_ROWS rows (prompts), each formulation's time over a cache-spilling group of
+that shape's weights, and the choice. Then one 1-token step and one 5-token verify with the plan
+against plain ``F.linear``, interleaved, medians. The host is recorded beside them.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from engine.model import LM_HEAD_SLICE, LM_HEAD_SLICE_MIN_ROWS, sliced_linear
+from bench.host import host
+from engine.config import EngineConfig
+from engine.loader import load
+from engine.matmul import LONG, MatmulPlan
+from engine.model import CausalLM
+
+MAX_ROWS = 6
 
 
-def median_ms(fn, evict: torch.Tensor, repeats: int = 9) -> float:
-    times = []
+def step_ms(lm: CausalLM, plans: dict[str, MatmulPlan], num_new: int, repeats: int = 15) -> dict[str, float]:
+    context = lm.cache.length
+    times: dict[str, list[float]] = {name: [] for name in plans}
     for _ in range(repeats):
-        evict.add_(1)  # push the weight out of the caches
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2] * 1e3
+        for name, plan in plans.items():
+            lm.matmul = plan
+            started = time.perf_counter()
+            lm.extend(list(range(2000, 2000 + num_new)), num_logits=num_new)
+            times[name].append(time.perf_counter() - started)
+            lm.cache.rollback(context)
+    return {name: round(statistics.median(values) * 1e3, 2) for name, values in times.items()}
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    weight = torch.randn(49152, 576)  # SmolLM2's tied embedding / LM head  # [V, E]
-    evict = torch.zeros(64 * 2**20)
-    rows = {}
-    for num_rows in range(1, 10):
-        x = torch.randn(num_rows, 576)  # [N, E]
-        whole = median_ms(lambda x=x: F.linear(x, weight), evict)
-        sliced = median_ms(lambda x=x: sliced_linear(x, weight, None, LM_HEAD_SLICE), evict)
-        rows[num_rows] = {"linear_ms": round(whole, 2), "sliced_ms": round(sliced, 2)}
-        print(f"{num_rows} rows: linear {whole:6.2f} ms  sliced {sliced:6.2f} ms")
-    chosen_ok = all(
-        (r["sliced_ms"] <= r["linear_ms"]) == (n >= LM_HEAD_SLICE_MIN_ROWS)
-        or abs(r["sliced_ms"] - r["linear_ms"]) < 1.0
-        for n, r in rows.items()
-    )
-    report = {"slice": LM_HEAD_SLICE, "slice_min_rows": LM_HEAD_SLICE_MIN_ROWS, "rows": rows, "choice_holds": chosen_ok}
+    models = load(EngineConfig(draft="copy:bfloat16", max_model_len=1024))
+    report: dict = {"host": host(), "torch_threads": torch.get_num_threads(), "models": {}}
+    for role, hf_model in (("target float32", models.target), ("draft bfloat16", models.draft)):
+        lm = CausalLM(hf_model, 1024)
+        started = time.perf_counter()
+        plan = lm.plan_matmuls(MAX_ROWS)
+        seconds = time.perf_counter() - started
+        cases = [
+            {
+                "shape": list(key[:2]),
+                "rows": rows or f"long ({LONG} slot)",
+                "us": {name: round(us) for name, us in timings.items()},
+                "choice": plan.choices[key, rows],
+            }
+            for (key, rows), timings in plan.timings_us.items()
+        ]
+        lm.extend(list(range(1000, 1200)))  # 200 tokens of context
+        steps = {f"{n} tokens": step_ms(lm, {"plan": plan, "F.linear": MatmulPlan()}, n) for n in (1, 5)}
+        report["models"][role] = {
+            "measure_s": round(seconds, 2),
+            "plan": plan.describe(),
+            "cases": cases,
+            "steps_ms": steps,
+        }
+        print(f"{role}: {plan.describe()} in {seconds:.1f} s; steps ms {steps}")
     out = Path(__file__).parent / "results" / "matmul.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"choice holds: {chosen_ok}; wrote {out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

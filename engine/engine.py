@@ -123,13 +123,15 @@ class WarmUp:
     variants: int  # captured graphs
     seconds: float
     graph_bytes: int  # device memory the captures reserved
+    matmuls: str = ""  # eager CPU: what the measured MatmulPlans chose, per model
 
     def describe(self) -> str:
         if self.forward == "cuda-graphs":
             return f"CUDA graphs: {self.variants} captured in {self.seconds:.1f} s, {self.graph_bytes / 2**20:,.0f} MiB"
         if self.forward == "compile":
             return f"torch.compile: {self.variants} variants compiled in {self.seconds:.1f} s"
-        return f"forward {self.forward}, warmed up in {self.seconds:.1f} s"
+        chosen = f" (matmuls measured: {self.matmuls})" if self.matmuls else ""
+        return f"forward {self.forward}{chosen}, warmed up in {self.seconds:.1f} s"
 
 
 class SpecEngine:
@@ -221,12 +223,16 @@ class SpecEngine:
         reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
         max_query = self.config.num_draft_tokens + 2
         variants = 0
+        matmuls = []
         self_drafter = self._drafters.get("self")
         for model in self.models:
             layer_sets = [model.all_layers]
             if model is self.target and self_drafter is not None:
                 layer_sets.append(self_drafter.layers)
             if model.runner is None:
+                if model.device.type == "cpu":
+                    role = "target" if model is self.target else "draft"
+                    matmuls.append(f"{role} {model.plan_matmuls(min(max_query, model.max_len)).describe()}")
                 for num_tokens in range(1, min(max_query, model.max_len) + 1):
                     model.cache.rollback(0)
                     model.extend([0] * num_tokens, num_logits=num_tokens)
@@ -234,9 +240,52 @@ class SpecEngine:
                 model.runner.warm_up(layer_sets)
                 variants += model.runner.num_variants
             model.cache.rollback(0)
+        auto = self._drafters.get("auto")
+        if auto is not None and self.draft is not None:
+            auto.expect_catch_up(self._prefill_seconds_per_token(self.draft))
+            auto.expect_agreement(self._draft_agreement())
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
-        self.warm_up_report = WarmUp(self.config.forward_mode, variants, time.perf_counter() - started, graph_bytes)
+        self.warm_up_report = WarmUp(
+            self.config.forward_mode, variants, time.perf_counter() - started, graph_bytes, "; ".join(matmuls)
+        )
         return self.warm_up_report
+
+    @staticmethod
+    def _prefill_seconds_per_token(model: CausalLM, num_tokens: int = 128) -> float:
+        """What reading a prompt costs ``model`` per token on this host, from one timed prefill."""
+        num_tokens = min(num_tokens, model.max_len)
+        model.cache.rollback(0)
+        model.extend([0] * num_tokens)
+        started = time.perf_counter()
+        model.cache.rollback(0)
+        model.extend([0] * num_tokens)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        seconds = time.perf_counter() - started
+        model.cache.rollback(0)
+        return seconds / num_tokens
+
+    @torch.inference_mode()
+    def _draft_agreement(self, num_tokens: int = 32) -> float:
+        """How often the draft model's proposals would pass, before any request: the draft writes
+        ``num_tokens`` greedily from the start token, the target reads them in one pass, and the
+        mean of sum(min(p, q)) over the positions (a draft token's acceptance probability, 1 - total
+        variation) is the answer."""
+        draft, target = self.draft, self.target
+        num_tokens = min(num_tokens, draft.max_len - 1, target.max_len - 1)
+        start = target.config.bos_token_id if isinstance(target.config.bos_token_id, int) else 0
+        draft.cache.rollback(0)
+        token_ids, draft_probs = [start], []
+        for _ in range(num_tokens):
+            probs = torch.softmax(draft.extend(token_ids[-1:])[-1].float(), dim=-1)  # [V]
+            draft_probs.append(probs)
+            token_ids.append(int(probs.argmax()))
+        target.cache.rollback(0)
+        target_probs = torch.softmax(target.extend(token_ids[:-1], num_tokens).float(), dim=-1)  # [T, V]
+        draft.cache.rollback(0)
+        target.cache.rollback(0)
+        overlap = torch.minimum(target_probs, torch.stack(draft_probs)).sum(-1)  # [T]
+        return float(overlap.mean())
 
     def reset(self) -> None:
         """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""

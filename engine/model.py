@@ -20,14 +20,9 @@ from torch import nn
 
 from .config import ConfigError
 from .kv import KVCache
+from .matmul import MatmulPlan
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-
-# On CPU, a matrix product with 4 or more rows through a wide LM head (49k x 576 for SmolLM2) takes
-# a slow path: 5 rows cost 2.2x one row, 8 rows 3.4x. In vocabulary slices of 1024 rows, both cost
-# about 1.9x (bench/matmul.py measures both and guards this choice).
-LM_HEAD_SLICE_MIN_ROWS = 4
-LM_HEAD_SLICE = 1024
 
 
 class UnsupportedModel(ConfigError):
@@ -73,6 +68,7 @@ class CausalLM:
         self.cos, self.sin = cos[0], sin[0]  # [S, D]
         self.positions = positions[0]  # [S] 0..S-1, sliced for the positions of new tokens
         self.runner = None  # a runner.GraphRunner replaying decode-shaped forwards; None: always eager
+        self.matmul = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
 
     @property
     def weight_bytes(self) -> int:
@@ -135,10 +131,26 @@ class CausalLM:
         return tuple(range(len(self.layers)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Normalised hidden states [N, E] -> logits [N, V], in the formulation measured fastest."""
-        if self.device.type != "cpu" or hidden.shape[0] < LM_HEAD_SLICE_MIN_ROWS:
-            return self.lm_head(hidden)
-        return sliced_linear(hidden, self.lm_head.weight, self.lm_head.bias, LM_HEAD_SLICE)
+        """Normalised hidden states [N, E] -> logits [N, V]."""
+        return self._linear(self.lm_head, hidden)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every weight a forward multiplies by (the ones ``plan_matmuls`` times)."""
+        modules = [self.lm_head]
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        return [module.weight for module in modules]
+
+    def plan_matmuls(self, max_rows: int) -> MatmulPlan:
+        """On CPU, measure which product formulation is fastest for each weight shape at 1..max_rows
+        rows (decode and verify shapes) and use it from now on. Elsewhere products stay F.linear."""
+        if self.device.type == "cpu":
+            self.matmul = MatmulPlan.measure(self.linear_weights(), max_rows)
+        return self.matmul
+
+    def _linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul.linear(x, module.weight, module.bias)
 
     def _input(self, token_ids: list[int] | torch.Tensor, start: int) -> torch.Tensor:
         num_new = len(token_ids) if isinstance(token_ids, list) else token_ids.shape[0]
@@ -185,20 +197,20 @@ class CausalLM:
         grouped = q.reshape(1, kv_heads, (heads // kv_heads) * num_new, dim)  # [1, H_kv, G*T, D]
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scaling)
         out = out.reshape(1, heads, num_new, dim).transpose(1, 2).reshape(1, num_new, heads * dim)  # [1, T, H*D]
-        return attn.o_proj(out)  # [1, T, E]
+        return self._linear(attn.o_proj, out)  # [1, T, E]
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._fused_linear(x, mlp, ("gate_proj", "up_proj"), "gate_up").chunk(2, dim=-1)  # [1, T, I] each
-        return mlp.down_proj(mlp.act_fn(gate) * up)  # [1, T, E]
+        return self._linear(mlp.down_proj, mlp.act_fn(gate) * up)  # [1, T, E]
 
     def _fused_linear(self, x: torch.Tensor, module: nn.Module, names: tuple[str, ...], fused: str) -> torch.Tensor:
         """x [1, T, I] through the layers ``fuse_linears`` stacked -> [1, T, sum of O]. On a GPU one
         product (fewer kernels is the point); on CPU the original layers one by one (their weights are
-        views of the fused one), which measured faster there (a verify's 5 rows through the fused
-        3072-row MLP weight took the slow path LM_HEAD_SLICE describes)."""
+        views of the fused one), each through the measured ``MatmulPlan`` (a verify's 5 rows through
+        the fused 3072-row MLP weight with ``F.linear`` took a slow BLAS path, engine/matmul.py)."""
         if self.device.type != "cpu":
             return F.linear(x, getattr(module, f"{fused}_weight"), getattr(module, f"{fused}_bias"))
-        return torch.cat([getattr(module, name)(x) for name in names], dim=-1)
+        return torch.cat([self._linear(getattr(module, name), x) for name in names], dim=-1)
 
 
 def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
@@ -238,17 +250,6 @@ def upload(token_ids: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # through pinned memory, so the copy is asynchronous
         return torch.tensor(token_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
     return torch.tensor(token_ids, dtype=torch.long, device=device)  # [T]
-
-
-def sliced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed over ``rows``-row slices of ``weight``. x [N, E] -> [N, O]."""
-    return torch.cat(
-        [
-            F.linear(x, weight[start : start + rows], None if bias is None else bias[start : start + rows])
-            for start in range(0, weight.shape[0], rows)
-        ],
-        dim=-1,
-    )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

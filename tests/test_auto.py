@@ -88,3 +88,26 @@ def test_a_seeded_request_under_an_auto_default_runs_a_fixed_drafter():
     runs = [list(engine.generate(Request(str(i), [1, 2, 3], params))) for i in range(3)]
     assert {outputs[-1].stats.drafter for outputs in runs} == {"model"}
     assert len({tuple(t for o in outputs for t in o.token_ids) for outputs in runs}) == 1
+
+
+def test_warm_up_measures_the_draft_models_agreement_and_prefill_cost():
+    close, far = auto_engine(noise=0.05), auto_engine(noise=3.0)
+    for engine in (close, far):
+        engine.warm_up()
+    near_prior, far_prior = close.drafter("auto").priors, far.drafter("auto").priors
+    assert near_prior["model"] == near_prior["staged"] and near_prior["suffix"] == 0.5  # text matching keeps its own
+    assert 0.0 < far_prior["model"] < near_prior["model"] <= 1.0
+    assert close.drafter("auto")._request.alpha["model"] == near_prior["model"]  # the next request starts there
+    assert all(seconds > 0 for seconds in close.drafter("auto").catch_up.values())
+
+
+def test_acceptance_pools_the_steps_of_a_request():
+    """One early rejection does not read as acceptance 0: 3 of 4, then 4 of 4, is close to 7 of 8."""
+    auto = auto_engine().drafter("auto")
+    auto.begin([1, 2, 3])
+    auto._observe("model", 0, 4)
+    after_one_miss = auto._request.alpha["model"]
+    assert 0.2 < after_one_miss < 0.7  # the prior (0.7 over 2 tokens) and one rejection
+    for accepted in (3, 4, 4, 4):
+        auto._observe("model", accepted, 4)
+    assert auto._request.alpha["model"] > 0.8

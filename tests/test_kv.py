@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.engine import Request
+from engine.matmul import FORMULATIONS, LONG, MatmulPlan
 from engine.model import CausalLM
 from engine.sampling import SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
@@ -79,3 +81,50 @@ def test_unrelated_prompt_reuses_nothing():
     list(engine.generate(Request("1", [1, 2, 3], SamplingParams(max_tokens=4))))
     outputs = list(engine.generate(Request("2", [9, 2, 3], SamplingParams(max_tokens=4))))
     assert outputs[-1].cached_tokens == 0
+
+
+@pytest.mark.parametrize("formulation", sorted(FORMULATIONS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_matmul_formulation_matches_hugging_face(formulation, dtype):
+    """Chunks of 1, 3 and 4 rows take the plan's small-row slots, 22 rows its LONG slot."""
+    model = tiny_llama(seed=0, vocab_size=50).to(getattr(torch, dtype))
+    ids = torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    lm = CausalLM(model, max_len=64)
+    lm.matmul = MatmulPlan.uniform(formulation, 4, lm.linear_weights())
+    chunks = [ids[:1], ids[1:4], ids[4:8], ids[8:]]
+    ours = torch.cat([lm.extend(chunk, len(chunk)) for chunk in chunks]).float()
+    reference = reference_logits(model, ids).float()
+    assert torch.allclose(ours, reference, atol=1e-5 if dtype == "float32" else 0.05)
+
+
+def test_the_measured_plan_covers_every_weight_shape_and_row_count():
+    model = tiny_llama(seed=0, vocab_size=50)
+    lm = CausalLM(model, max_len=64)
+    plan = lm.plan_matmuls(3)
+    shapes = {(w.shape[0], w.shape[1], w.dtype) for w in lm.linear_weights()}
+    assert set(plan.choices) == {(shape, slot) for shape in shapes for slot in (1, 2, 3, LONG)}
+    assert all(plan.choices[shape, LONG] == "linear" for shape in shapes)  # float32: nothing else can win there
+    assert all(set(plan.timings_us[shape, 1]) == {"linear", "weight_first", "padded"} for shape in shapes)
+    assert all(set(plan.timings_us[shape, 2]) == {"linear", "weight_first"} for shape in shapes)
+    assert "/" in plan.describe() and lm.matmul is plan
+    with pytest.raises(ValueError, match="unknown formulation"):
+        MatmulPlan.uniform("mystery", 2, lm.linear_weights())
+
+
+def test_warm_up_measures_the_plan_and_greedy_output_stays_the_targets():
+    target = tiny_llama(seed=3, vocab_size=96, init=0.2)
+    draft = perturbed_copy(target, noise=0.05, seed=1)
+    engine = tiny_engine(target, draft, num_draft_tokens=4, drafter="model")
+    assert "matmuls measured: target" in engine.warm_up().describe()
+    assert set(engine.target.matmul.choices) and set(engine.draft.matmul.choices)
+    for formulation in ("weight_first", "linear"):  # whichever the host measured, each path is exact
+        for model in engine.models:
+            model.matmul = MatmulPlan.uniform(formulation, 6, model.linear_weights())
+        prompt = [5, 9, 11, 5, 9]
+        greedy = SamplingParams(max_tokens=20, temperature=0.0)
+        outputs = [t for o in engine.generate(Request("g", prompt, greedy)) for t in o.token_ids]
+        with torch.inference_mode():
+            tokens = list(prompt)
+            for _ in range(20):
+                tokens.append(int(target(torch.tensor([tokens])).logits[0, -1].argmax()))
+        assert outputs == tokens[len(prompt) :]

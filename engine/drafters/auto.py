@@ -3,7 +3,8 @@
 Candidates are what can run here: ``suffix``, ``model`` when a draft model is loaded, and the
 staged chain ``suffix,model``; drafting nothing (k = 0) is always an option. For candidate c at k
 drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds, where the
-acceptance a_c is this request's own, measured over the tokens c actually proposed. A request starts
+acceptance a_c is this request's own: accepted tokens over accepted tokens plus rejections, pooled
+over the steps c ran (recent ones weigh more), counting only what c actually proposed. A request starts
 from a per-drafter prior: for a draft model, one that follows the acceptance of recent requests on
 this server (a bfloat16 copy of the target agrees with it far more often than a fixed prior
 assumes); for suffix matching a fixed one, since how well text repeats is the request's own affair.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_tokens, observed_acceptance
+from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_tokens
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal, build, register
 
@@ -33,7 +34,8 @@ PRIORS = {"suffix": 0.5, "model": ALPHA_PRIOR, "staged": ALPHA_PRIOR}  # accepta
 PRIOR_WEIGHT = 0.3  # how much one finished request moves a drafter's prior
 HORIZON = 64  # tokens over which a candidate's catch-up is paid back
 CHEAP_PROBE_EVERY = 4  # candidates without a draft model (suffix) are retried this often: a probe costs a row
-ALPHA_SMOOTHING = 0.25  # a request's acceptance follows its own steps quickly (a chat turn is short)
+PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of evidence
+EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
 
 
 @dataclass(slots=True)
@@ -52,7 +54,9 @@ class _Choice:
 
 @dataclass(slots=True)
 class _Request:
-    alpha: dict[str, float] = field(default_factory=dict)
+    alpha: dict[str, float] = field(default_factory=dict)  # each candidate's acceptance estimate now
+    # per candidate: (accepted tokens, rejections) seen this request, older steps faded
+    evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate last ran
     step: int = 0
 
@@ -120,10 +124,36 @@ class AutoDrafter:
             self.catch_up[choice.name] = _update(self.catch_up.get(choice.name), reading)
         if choice.drafted == 0:  # nothing proposed (no match): the step cost a plain decode, says nothing of a
             return
-        accepted = num_committed - choice.sequence_length
-        observed = observed_acceptance(accepted, choice.drafted)
-        alpha = self._request.alpha
-        alpha[choice.name] = min(0.99, (1 - ALPHA_SMOOTHING) * alpha[choice.name] + ALPHA_SMOOTHING * observed)
+        self._observe(choice.name, num_committed - choice.sequence_length, choice.drafted)
+
+    def _observe(self, name: str, accepted: int, drafted: int) -> None:
+        """A step's accepted run is a truncated geometric sample: ``accepted`` successes, then one
+        rejection unless all ``drafted`` passed. Pooling them (rather than averaging per-step
+        ratios, where one early rejection reads as acceptance 0) gives the maximum-likelihood
+        acceptance; the prior counts as PRIOR_TOKENS tokens of evidence."""
+        request = self._request
+        successes, rejections = request.evidence.get(name, (0.0, 0.0))
+        successes = EVIDENCE_DECAY * successes + accepted
+        rejections = EVIDENCE_DECAY * rejections + (accepted < drafted)
+        request.evidence[name] = (successes, rejections)
+        estimate = (successes + PRIOR_TOKENS * self.priors[name]) / (successes + rejections + PRIOR_TOKENS)
+        request.alpha[name] = min(0.99, estimate)
+
+    def expect_catch_up(self, seconds_per_token: float) -> None:
+        """Start-up's measure of a draft model's prefill cost per token, until requests measure it.
+        Without it a catch-up would be priced at a draft step per token, several times too much,
+        and a draft model would never be tried on a request whose prompt it has not read."""
+        for name in self.candidates:
+            if self._reads(name):
+                self.catch_up.setdefault(name, seconds_per_token)
+
+    def expect_agreement(self, acceptance: float) -> None:
+        """Start-up's measure of how often the draft model's tokens pass: the draft-model
+        candidates' prior, which finished requests then move."""
+        for name in self.candidates:
+            if self._reads(name):
+                self.priors[name] = acceptance
+        self._request = _Request(alpha=dict(self.priors))
 
     def _reads(self, name: str | None) -> bool:
         """Whether the candidate runs a draft model, which must read the sequence before proposing."""
