@@ -242,7 +242,9 @@ class SpecEngine:
             model.cache.rollback(0)
         auto = self._drafters.get("auto")
         if auto is not None and self.draft is not None:
-            auto.expect_catch_up(self._prefill_seconds_per_token(self.draft))
+            auto.expect_catch_up(
+                self._prefill_seconds_per_token(self.draft), self._extra_row_seconds(self.draft, max_query)
+            )
             auto.expect_agreement(self._draft_agreement())
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
         self.warm_up_report = WarmUp(
@@ -264,6 +266,21 @@ class SpecEngine:
         seconds = time.perf_counter() - started
         model.cache.rollback(0)
         return seconds / num_tokens
+
+    @staticmethod
+    def _extra_row_seconds(model: CausalLM, num_rows: int, repeats: int = 3) -> float:
+        """What each row beyond the first adds to a short forward of ``model`` (best of ``repeats``)."""
+        best = {}
+        for rows in (1, num_rows):
+            for _ in range(repeats):
+                model.cache.rollback(0)
+                started = time.perf_counter()
+                model.extend([0] * rows)
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize(model.device)
+                best[rows] = min(best.get(rows, float("inf")), time.perf_counter() - started)
+        model.cache.rollback(0)
+        return max(best[num_rows] - best[1], 0.0) / max(num_rows - 1, 1)
 
     @torch.inference_mode()
     def _draft_agreement(self, num_tokens: int = 32) -> float:

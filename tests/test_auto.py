@@ -99,6 +99,7 @@ def test_warm_up_measures_the_draft_models_agreement_and_prefill_cost():
     assert 0.0 < far_prior["model"] < near_prior["model"] <= 1.0
     assert close.drafter("auto")._request.alpha["model"] == near_prior["model"]  # the next request starts there
     assert all(seconds > 0 for seconds in close.drafter("auto").catch_up.values())
+    assert set(close.drafter("auto").extra_row) == {"model", "staged"}
 
 
 def test_acceptance_pools_the_steps_of_a_request():

@@ -11,8 +11,9 @@ assumes); for suffix matching a fixed one, since how well text repeats is the re
 The draft cost d_c and verify cost v(k) are measured live on this host and shared by requests.
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
-whole prompt): that catch-up, at its measured cost per token, is spread over the next ``HORIZON``
-tokens when candidates are compared, so a long prompt is not prefilled into a draft that cannot win
+whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
+(per token of a prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part
+of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long prompt is not prefilled into a draft that cannot win
 it back. A candidate whose catch-up is cheap (suffix has none) runs once early in every request,
 since a chat prompt's acceptance says little about the code or tool call that follows, and is tried
 again with one token after a while unused, so its acceptance stays current at a bounded cost.
@@ -70,6 +71,7 @@ class AutoDrafter:
         self.draft_costs: dict[str, StepCosts] = {name: StepCosts() for name in candidates}  # across requests
         self.verify = StepCosts()  # verify cost by k, whatever drafted
         self.catch_up: dict[str, float] = {}  # seconds per token a candidate takes to read what it missed
+        self.extra_row: dict[str, float] = {}  # seconds per row beyond the first of a short read
         self.priors = {name: PRIORS.get(name, ALPHA_PRIOR) for name in candidates}  # across requests
         self._request = _Request()
         self._choice: _Choice | None = None
@@ -139,13 +141,17 @@ class AutoDrafter:
         estimate = (successes + PRIOR_TOKENS * self.priors[name]) / (successes + rejections + PRIOR_TOKENS)
         request.alpha[name] = min(0.99, estimate)
 
-    def expect_catch_up(self, seconds_per_token: float) -> None:
-        """Start-up's measure of a draft model's prefill cost per token, until requests measure it.
-        Without it a catch-up would be priced at a draft step per token, several times too much,
-        and a draft model would never be tried on a request whose prompt it has not read."""
+    def expect_catch_up(self, seconds_per_token: float, seconds_per_extra_row: float | None = None) -> None:
+        """Start-up's measures of a draft model's reading cost: per token of a long prefill (until
+        requests measure it), and per row beyond the first of a short one. Without the first, a
+        catch-up would be priced at a draft step per token, several times too much, and a draft
+        model would never be tried on a request whose prompt it has not read. The second prices the
+        few tokens a draft model must read after another candidate's run was accepted."""
         for name in self.candidates:
             if self._reads(name):
                 self.catch_up.setdefault(name, seconds_per_token)
+                if seconds_per_extra_row is not None:
+                    self.extra_row[name] = seconds_per_extra_row
 
     def expect_agreement(self, acceptance: float) -> None:
         """Start-up's measure of how often the draft model's tokens pass: the draft-model
@@ -163,10 +169,16 @@ class AutoDrafter:
         """Tokens a candidate with a draft model must read first; None for candidates without one."""
         return self.candidates[name].lag(token_ids) if self._reads(name) else None
 
-    def _catch_up_seconds(self, name: str, token_ids: list[int]) -> float:
-        """What reading its lag would cost the candidate now (before a measurement: at its draft cost)."""
+    def _catch_up_seconds(self, name: str, token_ids: list[int], limit: int) -> float:
+        """What reading its lag would cost the candidate now. A short lag (a few tokens another
+        candidate got accepted) is priced per row beyond the one every draft step reads; a long one
+        (a prompt) as a prefill, per token (before a measurement: at the draft step cost)."""
         lag = self._lag(name, token_ids)
-        return lag * self.catch_up.get(name, self.draft_costs[name].draft or 0.0) if lag else 0.0
+        if not lag:
+            return 0.0
+        if lag <= limit + 2 and name in self.extra_row:
+            return (lag - 1) * self.extra_row[name]
+        return lag * self.catch_up.get(name, self.draft_costs[name].draft or 0.0)
 
     def _choose(self, token_ids: list[int], limit: int) -> tuple[str | None, int]:
         """(candidate, k) with the most expected tokens per second; (None, 0) to draft nothing."""
@@ -179,7 +191,7 @@ class AutoDrafter:
         if 0 not in self.verify.verify:
             return None, 0  # and plain decoding once
         plain_step = self.verify.verify_cost(0)
-        catch_up = {name: self._catch_up_seconds(name, token_ids) for name in self.candidates}
+        catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.candidates}
         for name in self.candidates:  # keep each candidate's acceptance current, one token at a time
             if catch_up[name] > plain_step:
                 continue  # a probe must stay cheap
