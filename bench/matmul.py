@@ -5,7 +5,8 @@
 For the float32 target and its bfloat16 copy: every weight shape at 1..6 rows (decode and a k = 4
 verify) and at LONG_ROWS rows (prompts), each formulation's time over a cache-spilling group of
 that shape's weights, and the choice. Then one 1-token step and one 5-token verify with the plan
-against plain ``F.linear``, interleaved, medians. The host is recorded beside them.
+against plain ``F.linear``, interleaved, medians, and one 1,500-token prompt each way (a draft's
+catch-up on a long prompt). The host is recorded beside them.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ def step_ms(lm: CausalLM, plans: dict[str, MatmulPlan], num_new: int, repeats: i
 
 
 def main() -> None:
-    models = load(EngineConfig(draft="copy:bfloat16", max_model_len=1024))
+    models = load(EngineConfig(draft="copy:bfloat16", max_model_len=2048))
     report: dict = {"host": host(), "torch_threads": torch.get_num_threads(), "models": {}}
     for role, hf_model in (("target float32", models.target), ("draft bfloat16", models.draft)):
-        lm = CausalLM(hf_model, 1024)
+        lm = CausalLM(hf_model, 2048)
         started = time.perf_counter()
         plan = lm.plan_matmuls(MAX_ROWS)
         seconds = time.perf_counter() - started
@@ -58,6 +59,14 @@ def main() -> None:
         ]
         lm.extend(list(range(1000, 1200)))  # 200 tokens of context
         steps = {f"{n} tokens": step_ms(lm, {"plan": plan, "F.linear": MatmulPlan()}, n) for n in (1, 5)}
+        steps["prompt of 1,500 tokens"] = {}
+        for name, chosen in (("plan", plan), ("F.linear", MatmulPlan())):
+            lm.matmul = chosen
+            lm.cache.rollback(0)
+            started = time.perf_counter()
+            lm.extend(list(range(1000, 2500)))
+            steps["prompt of 1,500 tokens"][name] = round((time.perf_counter() - started) * 1e3, 1)
+        lm.matmul = plan
         report["models"][role] = {
             "measure_s": round(seconds, 2),
             "plan": plan.describe(),

@@ -137,7 +137,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        task.cancel()
+        # Until it takes: before Python 3.12, asyncio.wait_for (the per-output request deadline)
+        # drops a cancellation that lands as the awaited output arrives, and outputs arrive all the time.
+        while not task.done():
+            task.cancel()
+            await asyncio.sleep(0.05)
 
     watcher = asyncio.ensure_future(watch())
     try:

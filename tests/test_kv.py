@@ -117,7 +117,7 @@ def test_warm_up_measures_the_plan_and_greedy_output_stays_the_targets():
     engine = tiny_engine(target, draft, num_draft_tokens=4, drafter="model")
     assert "matmuls measured: target" in engine.warm_up().describe()
     assert set(engine.target.matmul.choices) and set(engine.draft.matmul.choices)
-    for formulation in ("weight_first", "linear"):  # whichever the host measured, each path is exact
+    for formulation in ("weight_first", "padded", "linear"):  # whichever the host measured, each path is exact
         for model in engine.models:
             model.matmul = MatmulPlan.uniform(formulation, 6, model.linear_weights())
         prompt = [5, 9, 11, 5, 9]
