@@ -16,8 +16,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 from bench.host import host
 from engine.config import EngineConfig
 from engine.loader import load
@@ -42,7 +40,7 @@ def step_ms(lm: CausalLM, plans: dict[str, MatmulPlan], num_new: int, repeats: i
 
 def main() -> None:
     models = load(EngineConfig(draft="copy:bfloat16", max_model_len=2048))
-    report: dict = {"host": host(), "torch_threads": torch.get_num_threads(), "models": {}}
+    report: dict = {"host": host(), "models": {}}
     for role, hf_model in (("target float32", models.target), ("draft bfloat16", models.draft)):
         lm = CausalLM(hf_model, 2048)
         started = time.perf_counter()

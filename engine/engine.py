@@ -253,34 +253,28 @@ class SpecEngine:
         return self.warm_up_report
 
     @staticmethod
-    def _prefill_seconds_per_token(model: CausalLM, num_tokens: int = 128) -> float:
-        """What reading a prompt costs ``model`` per token on this host, from one timed prefill."""
-        num_tokens = min(num_tokens, model.max_len)
+    def _read_seconds(model: CausalLM, num_tokens: int, repeats: int) -> float:
+        """The best of ``repeats`` timed forwards of ``model`` over ``num_tokens`` tokens from an empty cache."""
+        best = float("inf")
+        for _ in range(repeats):
+            model.cache.rollback(0)
+            started = time.perf_counter()
+            model.extend([0] * num_tokens)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            best = min(best, time.perf_counter() - started)
         model.cache.rollback(0)
-        model.extend([0] * num_tokens)
-        started = time.perf_counter()
-        model.cache.rollback(0)
-        model.extend([0] * num_tokens)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        seconds = time.perf_counter() - started
-        model.cache.rollback(0)
-        return seconds / num_tokens
+        return best
 
-    @staticmethod
-    def _extra_row_seconds(model: CausalLM, num_rows: int, repeats: int = 3) -> float:
-        """What each row beyond the first adds to a short forward of ``model`` (best of ``repeats``)."""
-        best = {}
-        for rows in (1, num_rows):
-            for _ in range(repeats):
-                model.cache.rollback(0)
-                started = time.perf_counter()
-                model.extend([0] * rows)
-                if model.device.type == "cuda":
-                    torch.cuda.synchronize(model.device)
-                best[rows] = min(best.get(rows, float("inf")), time.perf_counter() - started)
-        model.cache.rollback(0)
-        return max(best[num_rows] - best[1], 0.0) / max(num_rows - 1, 1)
+    def _prefill_seconds_per_token(self, model: CausalLM, num_tokens: int = 128) -> float:
+        """What reading a prompt costs ``model`` per token on this host (the first read pays first-call costs)."""
+        num_tokens = min(num_tokens, model.max_len)
+        return self._read_seconds(model, num_tokens, repeats=2) / num_tokens
+
+    def _extra_row_seconds(self, model: CausalLM, num_rows: int, repeats: int = 3) -> float:
+        """What each row beyond the first adds to a short forward of ``model``."""
+        extra = self._read_seconds(model, num_rows, repeats) - self._read_seconds(model, 1, repeats)
+        return max(extra, 0.0) / max(num_rows - 1, 1)
 
     @torch.inference_mode()
     def _draft_agreement(self, num_tokens: int = 32) -> float:

@@ -13,8 +13,8 @@ The draft cost d_c and verify cost v(k) are measured live on this host and share
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
 (per token of a prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part
-of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long prompt is not prefilled into a draft that cannot win
-it back. A candidate whose catch-up is cheap (suffix has none) runs once early in every request,
+of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long
+prompt is not prefilled into a draft that cannot win it back. A candidate whose catch-up is cheap (suffix has none) runs once early in every request,
 since a chat prompt's acceptance says little about the code or tool call that follows, and is tried
 again with one token after a while unused, so its acceptance stays current at a bounded cost.
 
