@@ -34,11 +34,30 @@ class StepCosts:
 
     draft: float | None = None
     verify: dict[int, float] = field(default_factory=dict)
+    # entries ("draft", or a verify k) timed at start-up, outside a request: the first live measure replaces each
+    provisional: set[str | int] = field(default_factory=set)
+
+    def expect(self, draft: float | None = None, verify: dict[int, float] | None = None) -> None:
+        """Start-up timings, for what has no live measurement yet: the first request then need not
+        spend steps measuring what it could have known."""
+        if draft is not None and self.draft is None:
+            self.draft = draft
+            self.provisional.add("draft")
+        for k, seconds in (verify or {}).items():
+            if k not in self.verify:
+                self.verify[k] = seconds
+                self.provisional.add(k)
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
-        self.verify[k] = _update(self.verify.get(k), verify_seconds)
+        self.verify[k] = self._blend(k, self.verify.get(k), verify_seconds)
         if k > 0:
-            self.draft = _update(self.draft, draft_seconds / k)
+            self.draft = self._blend("draft", self.draft, draft_seconds / k)
+
+    def _blend(self, entry: str | int, average: float | None, value: float) -> float:
+        if entry in self.provisional:  # a request's step includes sampling and bookkeeping: trust it over start-up's
+            self.provisional.discard(entry)
+            return value
+        return _update(average, value)
 
     def verify_cost(self, k: int) -> float:
         """The measured cost at k, or at the nearest measured k."""

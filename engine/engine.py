@@ -241,11 +241,20 @@ class SpecEngine:
                 variants += model.runner.num_variants
             model.cache.rollback(0)
         auto = self._drafters.get("auto")
-        if auto is not None and self.draft is not None:
-            auto.expect_catch_up(
-                self._prefill_seconds_per_token(self.draft), self._extra_row_seconds(self.draft, max_query)
-            )
-            auto.expect_agreement(self._draft_agreement())
+        if auto is not None:
+            # a forward over k + 1 tokens, k = 0..K, timed once each and fitted by a line: single
+            # readings scatter by 10-15% here, and a high one would keep its k from ever being tried
+            timed = [self._read_seconds(self.target, k + 1, repeats=2) for k in range(max_query - 1)]
+            verify = dict(enumerate(_fitted_line(timed)))
+            draft_step = None
+            if self.draft is not None:
+                draft_step = self._read_seconds(self.draft, 1, repeats=3)
+                auto.expect_catch_up(
+                    self._prefill_seconds_per_token(self.draft),
+                    self._extra_row_seconds(self.draft, max_query, draft_step),
+                )
+                auto.expect_agreement(self._draft_agreement())
+            auto.expect_step_costs(verify, draft_step)
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
         self.warm_up_report = WarmUp(
             self.config.forward_mode, variants, time.perf_counter() - started, graph_bytes, "; ".join(matmuls)
@@ -271,9 +280,9 @@ class SpecEngine:
         num_tokens = min(num_tokens, model.max_len)
         return self._read_seconds(model, num_tokens, repeats=2) / num_tokens
 
-    def _extra_row_seconds(self, model: CausalLM, num_rows: int, repeats: int = 3) -> float:
-        """What each row beyond the first adds to a short forward of ``model``."""
-        extra = self._read_seconds(model, num_rows, repeats) - self._read_seconds(model, 1, repeats)
+    def _extra_row_seconds(self, model: CausalLM, num_rows: int, one_row_seconds: float, repeats: int = 3) -> float:
+        """What each row beyond the first adds to a short forward of ``model`` (one row: ``one_row_seconds``)."""
+        extra = self._read_seconds(model, num_rows, repeats) - one_row_seconds
         return max(extra, 0.0) / max(num_rows - 1, 1)
 
     @torch.inference_mode()
@@ -460,6 +469,16 @@ class SpecEngine:
         if seq.policy is not None:
             seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds)
         return _StepResult(verdict.token_ids, logits[: n + 1], record)
+
+
+def _fitted_line(values: list[float]) -> list[float]:
+    """The least-squares line through ``values`` (at x = 0, 1, ...), its slope at least 0."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    spread = sum((x - mean_x) ** 2 for x in range(n))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / spread if spread else 0.0
+    slope = max(slope, 0.0)
+    return [mean_y + slope * (x - mean_x) for x in range(n)]
 
 
 def build_engine(

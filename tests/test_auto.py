@@ -23,13 +23,22 @@ def test_candidates_are_what_can_run_here():
     assert set(alone.drafter("auto").candidates) == {"suffix"}
 
 
-def test_the_choice_follows_cost_and_acceptance():
+def priced_auto(verify: dict[int, float], model_cost: float, alpha: dict[str, float]):
+    """An auto drafter mid-request with these costs and acceptances, every candidate already tried
+    (no first runs or probes)."""
     auto = auto_engine().drafter("auto")
     auto.begin([1, 2, 3])
-    auto.verify = StepCosts(0.0, {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036})
-    auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(0.010), "staged": StepCosts(0.012)}
-    auto._request.alpha = {"suffix": 0.1, "model": 0.9, "staged": 0.5}
-    auto._request.last_tried = dict.fromkeys(auto.candidates, 0)  # all tried this request: no first runs or probes
+    auto.verify = StepCosts(0.0, verify)
+    auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(model_cost), "staged": StepCosts(0.012)}
+    auto._request.alpha = alpha
+    auto._request.last_tried = dict.fromkeys(auto.candidates, 0)
+    return auto
+
+
+def test_the_choice_follows_cost_and_acceptance():
+    auto = priced_auto(
+        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix": 0.1, "model": 0.9, "staged": 0.5}
+    )
     prompt = [1, 2, 3]
     assert auto._choose(prompt, 4) == ("model", 4)
     # the draft model has read none of a 900-token context: at 10 ms a token, catching up loses
@@ -40,6 +49,16 @@ def test_the_choice_follows_cost_and_acceptance():
     auto._request.alpha = {"suffix": 0.05, "model": 0.05, "staged": 0.05}
     assert auto._choose(prompt, 4) == (None, 0)  # nothing pays: plain decoding
     assert auto._choose(prompt, 0) == (None, 0)
+
+
+def test_a_candidate_that_seldom_finds_anything_to_propose_is_priced_by_what_it_proposes():
+    auto = priced_auto(
+        {0: 0.030, 1: 0.030, 2: 0.030, 3: 0.030, 4: 0.031}, 0.004, {"suffix": 0.6, "model": 0.6, "staged": 0.1}
+    )
+    prompt = [1, 2, 3]
+    assert auto._choose(prompt, 4)[0] == "suffix"  # as good and cheaper, while it proposes every step
+    auto._request.coverage["suffix"] = (2.0, 10.0)  # a proposal in 2 of its last 10 steps
+    assert auto._choose(prompt, 4)[0] == "model"
 
 
 def test_a_request_tries_suffix_first_whatever_earlier_requests_taught():
@@ -100,6 +119,21 @@ def test_warm_up_measures_the_draft_models_agreement_and_prefill_cost():
     assert close.drafter("auto")._request.alpha["model"] == near_prior["model"]  # the next request starts there
     assert all(seconds > 0 for seconds in close.drafter("auto").catch_up.values())
     assert set(close.drafter("auto").extra_row) == {"model", "staged"}
+
+
+def test_warm_up_times_the_steps_so_the_first_request_need_not():
+    engine = auto_engine()
+    engine.warm_up()
+    auto = engine.drafter("auto")
+    assert sorted(auto.verify.verify) == [0, 1, 2, 3, 4] and all(s > 0 for s in auto.verify.verify.values())
+    assert auto.draft_costs["model"].draft == auto.draft_costs["staged"].draft > 0
+    assert auto.draft_costs["suffix"].draft is None  # text matching is timed by its first steps
+    # the first live measure of each replaces the start-up timing; later ones average in
+    model_costs = auto.draft_costs["model"]
+    model_costs.observe(4, 4 * 0.5, 0.25)
+    assert model_costs.draft == 0.5 and model_costs.verify[4] == 0.25
+    model_costs.observe(4, 4 * 1.5, 0.25)
+    assert 0.5 < model_costs.draft < 1.5
 
 
 def test_acceptance_pools_the_steps_of_a_request():

@@ -77,10 +77,11 @@ def test_every_drafter_serves_the_default_model_with_greedy_output_unchanged(def
         assert stats["acceptance_rate"] > 0.6 and stats["mean_tokens_per_forward"] > 2
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_default_model_serves_greedy_chat_in_half_precision(tmp_path, dtype):
-    """float16 once failed every request: the NaN guard summed 49k half-precision logits into inf."""
-    server = start_server(["--dtype", dtype, "--max-model-len", "256"], tmp_path / "server.log")
+def test_default_model_serves_greedy_chat_in_half_precision(tmp_path):
+    """float16 once failed every request: the NaN guard summed 49k half-precision logits into inf.
+    The draft is the default bfloat16 copy, so both half precisions serve here (a bfloat16 target is
+    covered by the tiny models' greedy and chi-square suites)."""
+    server = start_server(["--dtype", "float16", "--max-model-len", "256"], tmp_path / "server.log")
     try:
         client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "What is the capital of France?"}]

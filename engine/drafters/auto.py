@@ -58,6 +58,9 @@ class _Request:
     alpha: dict[str, float] = field(default_factory=dict)  # each candidate's acceptance estimate now
     # per candidate: (accepted tokens, rejections) seen this request, older steps faded
     evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # per candidate: (steps it proposed anything, steps it ran), older steps faded. Text matching often
+    # finds nothing to propose, and such a step yields one token at a plain step's cost, whatever alpha says
+    coverage: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate last ran
     step: int = 0
 
@@ -124,6 +127,11 @@ class AutoDrafter:
         elif choice.lag > choice.num_draft_tokens + 2 and costs.draft is not None:
             reading = max(choice.draft_seconds - choice.drafted * costs.draft, 0.0) / choice.lag
             self.catch_up[choice.name] = _update(self.catch_up.get(choice.name), reading)
+        proposed, ran = self._request.coverage.get(choice.name, (0.0, 0.0))
+        self._request.coverage[choice.name] = (
+            EVIDENCE_DECAY * proposed + (choice.drafted > 0),
+            EVIDENCE_DECAY * ran + 1,
+        )
         if choice.drafted == 0:  # nothing proposed (no match): the step cost a plain decode, says nothing of a
             return
         self._observe(choice.name, num_committed - choice.sequence_length, choice.drafted)
@@ -152,6 +160,17 @@ class AutoDrafter:
                 self.catch_up.setdefault(name, seconds_per_token)
                 if seconds_per_extra_row is not None:
                     self.extra_row[name] = seconds_per_extra_row
+
+    def expect_step_costs(self, verify_seconds: dict[int, float], draft_step_seconds: float | None) -> None:
+        """Start-up's timings of the target's forward over k + 1 tokens (each k) and of the draft
+        model's one-token step: without them a server's first request spends its first steps
+        measuring every candidate at full k (a staged step costs a model step and more), and
+        plain decoding once. Each is replaced by the first live measure of the same thing."""
+        self.verify.expect(verify=verify_seconds)
+        if draft_step_seconds is not None:
+            for name in self.candidates:
+                if self._reads(name):
+                    self.draft_costs[name].expect(draft=draft_step_seconds)
 
     def expect_agreement(self, acceptance: float) -> None:
         """Start-up's measure of how often the draft model's tokens pass: the draft-model
@@ -203,9 +222,13 @@ class AutoDrafter:
         best, best_rate = (None, 0), 1.0 / plain_step
         for name, costs in self.draft_costs.items():
             alpha = request.alpha[name]
+            proposed, ran = request.coverage.get(name, (0.0, 0.0))
+            covered = (proposed + 1) / (ran + 1)  # the share of steps with a proposal, from 1 before any ran
             for k in range(1, limit + 1):
-                tokens = expected_tokens(alpha, k)
-                seconds = k * (costs.draft or 0.0) + self.verify.verify_cost(k) + catch_up[name] * tokens / HORIZON
+                # a step without a proposal is a plain step: one token at the plain cost
+                tokens = covered * expected_tokens(alpha, k) + (1 - covered)
+                verify = covered * self.verify.verify_cost(k) + (1 - covered) * plain_step
+                seconds = k * (costs.draft or 0.0) + verify + catch_up[name] * tokens / HORIZON
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
         return best
