@@ -242,7 +242,7 @@ class SpecEngine:
             model.cache.rollback(0)
         auto = self._drafters.get("auto")
         if auto is not None:
-            # a forward over k + 1 tokens, k = 0..K, timed once each and fitted by a line: single
+            # a forward over k + 1 tokens, k = 0..K, best of two each, fitted by a line: single
             # readings scatter by 10-15% here, and a high one would keep its k from ever being tried
             timed = [self._read_seconds(self.target, k + 1, repeats=2) for k in range(max_query - 1)]
             verify = dict(enumerate(_fitted_line(timed)))
