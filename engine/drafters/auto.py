@@ -8,15 +8,18 @@ over the steps c ran (recent ones weigh more), counting only what c actually pro
 from a per-drafter prior: for a draft model, one that follows the acceptance of recent requests on
 this server (a bfloat16 copy of the target agrees with it far more often than a fixed prior
 assumes); for suffix matching a fixed one, since how well text repeats is the request's own affair.
-The draft cost d_c and verify cost v(k) are measured live on this host and shared by requests.
+A candidate that found nothing to propose in part of its steps (text matching often does) yields
+one token at a plain step's cost in that share of steps. The draft cost d_c and verify cost v(k)
+are timed at start-up, then measured live on this host and shared by requests.
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
 (per token of a prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part
 of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long
-prompt is not prefilled into a draft that cannot win it back. A candidate whose catch-up is cheap (suffix has none) runs once early in every request,
-since a chat prompt's acceptance says little about the code or tool call that follows, and is tried
-again with one token after a while unused, so its acceptance stays current at a bounded cost.
+prompt is not prefilled into a draft that cannot win it back. A candidate whose catch-up is cheap
+(suffix has none) runs once early in every request, since a chat prompt's acceptance says little
+about the code or tool call that follows, and is tried again with one token after a while unused,
+so its acceptance stays current at a bounded cost.
 
 Every choice depends only on earlier steps, never on the current step's random draws, so the output
 is still distributed exactly as the target's.
