@@ -30,40 +30,44 @@ def observed_acceptance(num_accepted: int, num_drafted: int) -> float:
 
 @dataclass(slots=True)
 class StepCosts:
-    """What a step costs on this host: seconds per drafted token, and per verify pass by k."""
+    """What a step costs on this host: seconds per drafted token, and per verify pass by k.
+
+    Verify costs come either from steps alone, one running average per k, or from a line over k
+    timed at start-up (``expect``) that live steps then move as a whole: every step, whatever its
+    k, updates one shift shared by all k. A k the policy seldom picks is then priced from what the
+    others measure, and one slow reading cannot keep its k from being tried again."""
 
     draft: float | None = None
-    verify: dict[int, float] = field(default_factory=dict)
-    # entries ("draft", or a verify k) timed at start-up, outside a request: the first live measure replaces each
-    provisional: set[str | int] = field(default_factory=set)
+    verify: dict[int, float] = field(default_factory=dict)  # by k: running averages, or the start-up line
+    shift: float | None = None  # what live steps add to the start-up line; None: no line, or no step yet
+    from_line: bool = False  # verify holds a start-up line
+    provisional_draft: bool = False  # draft was timed at start-up: the first live measure replaces it
 
     def expect(self, draft: float | None = None, verify: dict[int, float] | None = None) -> None:
         """Start-up timings, for what has no live measurement yet: the first request then need not
         spend steps measuring what it could have known."""
         if draft is not None and self.draft is None:
-            self.draft = draft
-            self.provisional.add("draft")
-        for k, seconds in (verify or {}).items():
-            if k not in self.verify:
-                self.verify[k] = seconds
-                self.provisional.add(k)
+            self.draft, self.provisional_draft = draft, True
+        if verify and not self.verify:
+            self.verify, self.from_line = dict(verify), True
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
-        self.verify[k] = self._blend(k, self.verify.get(k), verify_seconds)
+        if self.from_line and k in self.verify:
+            self.shift = _update(self.shift, verify_seconds - self.verify[k])
+        else:
+            self.verify[k] = _update(self.verify.get(k), verify_seconds)
         if k > 0:
-            self.draft = self._blend("draft", self.draft, draft_seconds / k)
+            # a request's step includes sampling and bookkeeping: trust its measure over start-up's
+            self.draft = draft_seconds / k if self.provisional_draft else _update(self.draft, draft_seconds / k)
+            self.provisional_draft = False
 
-    def _blend(self, entry: str | int, average: float | None, value: float) -> float:
-        if entry in self.provisional:  # a request's step includes sampling and bookkeeping: trust it over start-up's
-            self.provisional.discard(entry)
-            return value
-        return _update(average, value)
+    def knows(self, k: int) -> bool:
+        return k in self.verify
 
     def verify_cost(self, k: int) -> float:
-        """The measured cost at k, or at the nearest measured k."""
-        if k in self.verify:
-            return self.verify[k]
-        return self.verify[min(self.verify, key=lambda measured: abs(measured - k))]
+        """The cost at k, or at the nearest k with one, plus the live shift of a start-up line."""
+        nearest = k if k in self.verify else min(self.verify, key=lambda measured: abs(measured - k))
+        return max(self.verify[nearest] + (self.shift or 0.0), 1e-9)
 
     def tokens_per_second(self, alpha: float, k: int) -> float:
         return expected_tokens(alpha, k) / (k * (self.draft or 0.0) + self.verify_cost(k))
@@ -79,15 +83,19 @@ class AdaptiveK:
         """The k to draft now, at most ``limit`` (what the request and cache still allow)."""
         if limit <= 0:
             return 0
-        if self.costs.draft is None or 0 not in self.costs.verify:
-            return 0 if 0 not in self.costs.verify else limit  # measure plain decoding, then drafting
+        if self.costs.draft is None or not self.costs.knows(0):
+            return 0 if not self.costs.knows(0) else limit  # measure plain decoding, then drafting
         best = max(range(limit + 1), key=lambda k: self.costs.tokens_per_second(self.alpha, k))
         if best == 0 and self.steps_since_draft >= PROBE_EVERY:
             return 1
         return best
 
-    def observe(self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        self.costs.observe(k, draft_seconds, verify_seconds)
+    def observe(
+        self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, timed: bool = True
+    ) -> None:
+        """``timed``: the step's seconds are a step's costs (a request's first step also reads the prompt)."""
+        if timed:
+            self.costs.observe(k, draft_seconds, verify_seconds)
         if k == 0:
             self.steps_since_draft += 1
             return

@@ -12,6 +12,8 @@ class ConfigError(ValueError):
 
 
 FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
+DRAFT_KV = ("auto", "own", "target")
+COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,6 +36,10 @@ class EngineConfig:
     stages: tuple[str, ...] = ("ngram", "model")  # the staged drafter's chain, cheapest first
     suffix_global: bool = True  # the suffix drafter also matches recent outputs of the same tenant
     suffix_cache_requests: int = 64  # how many recent outputs it keeps, across tenants; the oldest go first
+    # Where a draft model's keys and values for committed tokens come from: "own" (it reads every
+    # token itself), "target" (copied from the target's cache, cast to the draft's dtype: the draft
+    # reads one token per step), "auto" ("target" when the draft is a copy of the target).
+    draft_kv: str = "auto"
     fault_injection: bool = False  # test hook: requests may ask to fail at a given step
     # How decode-shaped forwards run (engine/runner.py): "auto" is CUDA graphs on a GPU and eager on
     # CPU; "eager" (--enforce-eager) never records; "compile" is torch.compile, for proving on CPU.
@@ -61,8 +67,16 @@ class EngineConfig:
         if self.draft is not None and self.draft.lower() == "none":
             self.draft = None
         check_stages(self.stages)
+        if self.draft_kv not in DRAFT_KV:
+            raise ConfigError(f"draft_kv must be one of {', '.join(DRAFT_KV)}, got {self.draft_kv!r}")
         if self.forward not in FORWARD_MODES:
             raise ConfigError(f"forward must be one of {', '.join(FORWARD_MODES)}, got {self.forward!r}")
+
+    @property
+    def draft_reads_target_kv(self) -> bool:
+        if self.draft_kv == "auto":
+            return self.draft is not None and self.draft.startswith(COPY_PREFIX)
+        return self.draft_kv == "target"
 
     @property
     def forward_mode(self) -> str:

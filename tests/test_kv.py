@@ -128,3 +128,18 @@ def test_warm_up_measures_the_plan_and_greedy_output_stays_the_targets():
             for _ in range(20):
                 tokens.append(int(target(torch.tensor([tokens])).logits[0, -1].argmax()))
         assert outputs == tokens[len(prompt) :]
+
+
+def test_copy_from_takes_another_caches_positions_in_its_own_dtype():
+    model = tiny_llama(seed=0, vocab_size=50)
+    target = CausalLM(model, max_len=32)
+    draft = CausalLM(perturbed_copy(model, 0.05, seed=1).to(torch.bfloat16), max_len=32)
+    target.extend([1, 2, 3, 4, 5, 6])
+    draft.extend([1, 2])  # the draft read the first two itself
+    draft.cache.copy_from(target.cache, 5, [1, 2, 3, 4, 5, 6, 7])
+    assert draft.cache.token_ids == [1, 2, 3, 4, 5]
+    assert draft.cache.keys.dtype == torch.bfloat16
+    assert torch.equal(draft.cache.keys[:, :, :, 2:5], target.cache.keys[:, :, :, 2:5].to(torch.bfloat16))
+    assert not torch.equal(draft.cache.values[:, :, :, :2], target.cache.values[:, :, :, :2].to(torch.bfloat16))
+    draft.cache.copy_from(target.cache, 3, [1, 2, 3])  # nothing past its own length: unchanged
+    assert draft.cache.length == 5

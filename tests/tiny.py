@@ -94,6 +94,9 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
     "ngram": (False, {"drafter": "ngram"}),
     "suffix": (False, {"drafter": "suffix"}),
     "auto": (True, {"drafter": "auto"}),  # setup_engine makes it switch drafters at every step
+    # the draft copies the target's keys and values instead of reading the tokens itself
+    "model-target-kv": (True, {"drafter": "model", "draft_kv": "target"}),
+    "auto-target-kv": (True, {"drafter": "auto", "draft_kv": "target"}),
     "self": (False, {"drafter": "self", "self_layers": (0,)}),
     "staged-ngram-model": (True, {"drafter": "staged", "stages": ("ngram", "model")}),
     "staged-self-model": (True, {"drafter": "staged", "stages": ("self", "model"), "self_layers": (1,)}),

@@ -10,13 +10,16 @@ this server (a bfloat16 copy of the target agrees with it far more often than a 
 assumes); for suffix matching a fixed one, since how well text repeats is the request's own affair.
 A candidate that found nothing to propose in part of its steps (text matching often does) yields
 one token at a plain step's cost in that share of steps. The draft cost d_c and verify cost v(k)
-are timed at start-up, then measured live on this host and shared by requests.
+are timed at start-up, then measured live on this host and shared by requests (v as a line over k
+that live steps move as a whole, ``StepCosts``; a request's first verify, which reads the prompt,
+is not timed).
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
 (per token of a prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part
 of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long
-prompt is not prefilled into a draft that cannot win it back. A candidate whose catch-up is cheap
+prompt is not prefilled into a draft that cannot win it back. (A draft that copies the target's
+keys and values, ``draft_kv``, has nothing to catch up on.) A candidate whose catch-up is cheap
 (suffix has none) runs once early in every request, since a chat prompt's acceptance says little
 about the code or tool call that follows, and is tried again with one token after a while unused,
 so its acceptance stays current at a bounded cost.
@@ -121,7 +124,8 @@ class AutoDrafter:
         if choice is None:
             return
         verify_seconds = time.perf_counter() - choice.proposed_at  # the target's pass ran in between
-        self.verify.observe(choice.drafted, 0.0, verify_seconds)
+        if self._request.step > 1:  # a request's first verify also reads the prompt
+            self.verify.observe(choice.drafted, 0.0, verify_seconds)
         if choice.name is None or choice.num_draft_tokens == 0:
             return
         costs = self.draft_costs[choice.name]
@@ -210,17 +214,20 @@ class AutoDrafter:
         for name, costs in self.draft_costs.items():
             if costs.draft is None:  # measure every candidate once, over two consecutive steps (see steady)
                 return name, limit
-        if 0 not in self.verify.verify:
+        if not self.verify.knows(0):
             return None, 0  # and plain decoding once
         plain_step = self.verify.verify_cost(0)
         catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.candidates}
         for name in self.candidates:  # keep each candidate's acceptance current, one token at a time
             if catch_up[name] > plain_step:
                 continue  # a probe must stay cheap
-            if name not in request.last_tried:  # this request's text may suit it better than the prior says
+            # text matching's prior says nothing of this request's text: try it at once. A draft
+            # model's prior is its measured agreement, moved by recent requests: it runs when it
+            # wins on that, and its probes keep the estimate current.
+            if name not in request.last_tried and not self._reads(name):
                 return name, limit
             every = self.probe_every if self._reads(name) else min(self.probe_every, CHEAP_PROBE_EVERY)
-            if request.step - request.last_tried[name] > every:
+            if request.step - request.last_tried.get(name, 0) > every:
                 return name, 1
         best, best_rate = (None, 0), 1.0 / plain_step
         for name, costs in self.draft_costs.items():
