@@ -61,6 +61,46 @@ def test_a_candidate_that_seldom_finds_anything_to_propose_is_priced_by_what_it_
     assert auto._choose(prompt, 4)[0] == "model"
 
 
+def test_a_candidate_is_priced_by_what_its_steps_yielded_against_the_estimate():
+    """Text matching's runs are all or nothing and often shorter than asked: the geometric yield at
+    its acceptance can be off either way, and its realised tokens correct it."""
+    auto = priced_auto(
+        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix": 0.4, "model": 0.9, "staged": 0.1}
+    )
+    prompt = [1, 2, 3]
+    assert auto._choose(prompt, 4)[0] == "model"
+    for _ in range(6):  # suffix asked for 4: every step all 4 passed, though its acceptance still reads 0.4
+        auto._request.alpha["suffix"] = 0.4
+        auto._observe("suffix", 4, 4, 4)
+    assert auto._request.yields["suffix"][0] > auto._request.yields["suffix"][1]
+    auto._request.alpha["suffix"] = 0.4
+    assert auto._choose(prompt, 4) == ("suffix", 4)
+    auto._request.yields["suffix"] = (5.0, 15.0)  # a third of what it was expected to yield
+    assert auto._choose(prompt, 4)[0] == "model"
+
+
+def test_probes_retry_text_matching_at_full_k_and_a_draft_model_with_one_token():
+    auto = priced_auto(
+        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix": 0.1, "model": 0.9, "staged": 0.5}
+    )
+    auto._request.step = 6  # suffix unused for more than 4 steps
+    assert auto._choose([1, 2, 3], 4) == ("suffix", 4)
+    auto._request.last_tried["suffix"] = 19
+    auto._request.step = 20  # the draft models unused for more than 16, suffix ran just now
+    assert auto._choose([1, 2, 3], 4) == ("model", 1)
+
+
+def test_a_draft_model_is_not_tried_at_once_in_a_request():
+    auto = auto_engine().drafter("auto")
+    auto.begin([1, 2, 3])
+    auto.verify = StepCosts(0.0, {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036})
+    auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(0.010), "staged": StepCosts(0.012)}
+    auto._request.alpha = {"suffix": 0.5, "model": 0.05, "staged": 0.05}  # its prior says it would not pay
+    auto._request.last_tried["suffix"] = 1
+    auto._request.step = 2
+    assert auto._choose([1, 2, 3], 4)[0] != "model"
+
+
 def test_a_request_tries_suffix_first_whatever_earlier_requests_taught():
     auto = auto_engine().drafter("auto")
     auto.begin([1, 2, 3])

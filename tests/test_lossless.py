@@ -100,6 +100,9 @@ CASES = [
 CASES_FOR = {
     "medusa": ("3tok-topk-topp", "3tok-penalties"),
     "suffix": ("2tok-topk",),  # deterministic proposals, verified one-hot like ngram (which runs both)
+    # where the draft's keys and values come from changes q, not how it is used: one case each
+    "model-target-kv": ("2tok-topk",),
+    "auto-target-kv": ("2tok-topk",),
 }
 MATRIX = (
     [

@@ -8,11 +8,13 @@ over the steps c ran (recent ones weigh more), counting only what c actually pro
 from a per-drafter prior: for a draft model, one that follows the acceptance of recent requests on
 this server (a bfloat16 copy of the target agrees with it far more often than a fixed prior
 assumes); for suffix matching a fixed one, since how well text repeats is the request's own affair.
-A candidate that found nothing to propose in part of its steps (text matching often does) yields
-one token at a plain step's cost in that share of steps. The draft cost d_c and verify cost v(k)
-are timed at start-up, then measured live on this host and shared by requests (v as a line over k
-that live steps move as a whole, ``StepCosts``; a request's first verify, which reads the prompt,
-is not timed).
+A candidate that found nothing to propose in part of its steps (text matching often does) yields one
+token at a plain step's cost in that share of steps, and a candidate whose steps yield more or less
+than the geometric estimate (text matching's runs are all or nothing, and shorter than asked when
+its match is short) has the estimate scaled by its realised over expected tokens. The draft cost d_c
+and verify cost v(k) are timed at start-up, then measured live on this host and shared by requests
+(v as a line over k that live steps move as a whole, ``StepCosts``; a request's first verify, which
+reads the prompt, is not timed).
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
@@ -21,8 +23,9 @@ of a step), is spread over the next ``HORIZON`` tokens when candidates are compa
 prompt is not prefilled into a draft that cannot win it back. (A draft that copies the target's
 keys and values, ``draft_kv``, has nothing to catch up on.) A candidate whose catch-up is cheap
 (suffix has none) runs once early in every request, since a chat prompt's acceptance says little
-about the code or tool call that follows, and is tried again with one token after a while unused,
-so its acceptance stays current at a bounded cost.
+about the code or tool call that follows. After a while unused, text matching is tried again at full
+k (its drafts cost only their verify rows), a draft model with one token, so acceptance stays
+current at a bounded cost; a draft model is not tried early, as its prior is its measured agreement.
 
 Every choice depends only on earlier steps, never on the current step's random draws, so the output
 is still distributed exactly as the target's.
@@ -67,6 +70,9 @@ class _Request:
     # per candidate: (steps it proposed anything, steps it ran), older steps faded. Text matching often
     # finds nothing to propose, and such a step yields one token at a plain step's cost, whatever alpha says
     coverage: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # per candidate: (tokens its proposing steps yielded, tokens the geometric estimate expected of
+    # them), older steps faded: their ratio corrects the estimate where acceptance is not geometric
+    yields: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate last ran
     step: int = 0
 
@@ -141,14 +147,23 @@ class AutoDrafter:
         )
         if choice.drafted == 0:  # nothing proposed (no match): the step cost a plain decode, says nothing of a
             return
-        self._observe(choice.name, num_committed - choice.sequence_length, choice.drafted)
+        self._observe(choice.name, num_committed - choice.sequence_length, choice.drafted, choice.num_draft_tokens)
 
-    def _observe(self, name: str, accepted: int, drafted: int) -> None:
+    def _observe(self, name: str, accepted: int, drafted: int, asked: int | None = None) -> None:
         """A step's accepted run is a truncated geometric sample: ``accepted`` successes, then one
         rejection unless all ``drafted`` passed. Pooling them (rather than averaging per-step
         ratios, where one early rejection reads as acceptance 0) gives the maximum-likelihood
-        acceptance; the prior counts as PRIOR_TOKENS tokens of evidence."""
+        acceptance; the prior counts as PRIOR_TOKENS tokens of evidence.
+
+        The step's tokens are also set against what the choice expected of it at the k it asked
+        for (``asked``): text matching proposes fewer tokens than asked when its match is short,
+        and its runs are all or nothing, so the geometric yield can be off either way."""
         request = self._request
+        yielded, expected = request.yields.get(name, (0.0, 0.0))
+        request.yields[name] = (
+            EVIDENCE_DECAY * yielded + accepted + 1,
+            EVIDENCE_DECAY * expected + expected_tokens(request.alpha[name], asked or drafted),
+        )
         successes, rejections = request.evidence.get(name, (0.0, 0.0))
         successes = EVIDENCE_DECAY * successes + accepted
         rejections = EVIDENCE_DECAY * rejections + (accepted < drafted)
@@ -226,17 +241,21 @@ class AutoDrafter:
             # wins on that, and its probes keep the estimate current.
             if name not in request.last_tried and not self._reads(name):
                 return name, limit
-            every = self.probe_every if self._reads(name) else min(self.probe_every, CHEAP_PROBE_EVERY)
-            if request.step - request.last_tried.get(name, 0) > every:
-                return name, 1
+            if self._reads(name):  # a draft model's probe drafts one token: each costs a forward
+                if request.step - request.last_tried.get(name, 0) > self.probe_every:
+                    return name, 1
+            elif request.step - request.last_tried.get(name, 0) > min(self.probe_every, CHEAP_PROBE_EVERY):
+                return name, limit  # text matching's drafts cost nothing but their verify rows
         best, best_rate = (None, 0), 1.0 / plain_step
         for name, costs in self.draft_costs.items():
             alpha = request.alpha[name]
             proposed, ran = request.coverage.get(name, (0.0, 0.0))
             covered = (proposed + 1) / (ran + 1)  # the share of steps with a proposal, from 1 before any ran
+            yielded, expected = request.yields.get(name, (0.0, 0.0))
+            bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)  # realised over expected, from 1
             for k in range(1, limit + 1):
                 # a step without a proposal is a plain step: one token at the plain cost
-                tokens = covered * expected_tokens(alpha, k) + (1 - covered)
+                tokens = covered * min(bias * expected_tokens(alpha, k), k + 1.0) + (1 - covered)
                 verify = covered * self.verify.verify_cost(k) + (1 - covered) * plain_step
                 seconds = k * (costs.draft or 0.0) + verify + catch_up[name] * tokens / HORIZON
                 if tokens / seconds > best_rate:
