@@ -233,7 +233,7 @@ class AutoDrafter:
             return None, 0  # and plain decoding once
         plain_step = self.verify.verify_cost(0)
         catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.candidates}
-        for name in self.candidates:  # keep each candidate's acceptance current, one token at a time
+        for name in self.candidates:  # probes keep each candidate's acceptance current
             if catch_up[name] > plain_step:
                 continue  # a probe must stay cheap
             # text matching's prior says nothing of this request's text: try it at once. A draft
