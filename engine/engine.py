@@ -249,10 +249,11 @@ class SpecEngine:
             draft_step = None
             if self.draft is not None:
                 draft_step = self._read_seconds(self.draft, 1, repeats=3)
-                auto.expect_catch_up(
-                    self._prefill_seconds_per_token(self.draft),
-                    self._extra_row_seconds(self.draft, max_query, draft_step),
-                )
+                if not self.config.draft_reads_target_kv:  # one reading the target's cache has no catch-up
+                    auto.expect_catch_up(
+                        self._prefill_seconds_per_token(self.draft),
+                        self._extra_row_seconds(self.draft, max_query, draft_step),
+                    )
                 auto.expect_agreement(self._draft_agreement())
             auto.expect_step_costs(verify, draft_step)
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0

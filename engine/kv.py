@@ -65,18 +65,23 @@ class KVCache:
 
         At least the last token is left to feed, because its logits are needed.
         """
-        limit = min(len(token_ids) - 1, self.length)
-        shared = 0
-        while shared < limit and self.token_ids[shared] == token_ids[shared]:
-            shared += 1
+        shared = self.matching(token_ids, 0, min(len(token_ids) - 1, self.length))
         self.rollback(shared)
         return shared
 
+    def matching(self, token_ids: list[int], start: int, limit: int) -> int:
+        """The first position in [start, limit) where this cache's tokens differ from ``token_ids``, or limit."""
+        position = start
+        while position < limit and self.token_ids[position] == token_ids[position]:
+            position += 1
+        return position
+
     def copy_from(self, source: KVCache, end: int, token_ids: list[int]) -> None:
         """Take positions [length, end) from ``source`` (a cache of the same geometry, any dtype),
-        which holds ``token_ids`` there: keys and values another model computed, cast to this
-        cache's dtype."""
+        as far as it holds ``token_ids`` there: keys and values another model computed, cast to
+        this cache's dtype."""
         start = self.length
+        end = source.matching(token_ids, start, min(end, source.length))
         if end <= start:
             return
         self.keys[:, :, :, start:end].copy_(source.keys[:, :, :, start:end])  # [L, 1, H_kv, end-start, D]

@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; mod
 os.environ.setdefault("TQDM_DISABLE", "1")  # no library's bars; specserve's loading bar turns itself on
 set_wait_policy()
 
-from engine.config import ConfigError  # noqa: E402  (imports torch)
+from engine.config import DRAFT_KV, ConfigError  # noqa: E402  (imports torch)
 
 from .logs import configure_logging  # noqa: E402
 from .settings import ServeSettings  # noqa: E402
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--stages", help="the staged drafter's chain, cheapest first (default ngram,model)")
     serve.add_argument(
         "--draft-kv",
-        choices=["auto", "own", "target"],
+        choices=DRAFT_KV,
         help="where a draft model's keys and values for accepted tokens come from: its own forward, or the "
         "target's cache (one draft row per step); auto: the target's when the draft is a copy:DTYPE of it",
     )

@@ -215,7 +215,7 @@ class AutoDrafter:
         candidate got accepted) is priced per row beyond the one every draft step reads; a long one
         (a prompt) as a prefill, per token (before a measurement: at the draft step cost)."""
         lag = self._lag(name, token_ids)
-        if not lag:
+        if lag is None or lag <= 1:  # the newest token, which every draft step reads
             return 0.0
         if lag <= limit + 2 and name in self.extra_row:
             return (lag - 1) * self.extra_row[name]

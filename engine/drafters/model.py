@@ -48,10 +48,7 @@ class ModelDrafter:
         target_cache = self.target.cache
         if target_cache.length < end:
             self.target.extend(token_ids[target_cache.length : end], num_logits=0)
-        shared = cache.length
-        while shared < end and target_cache.token_ids[shared] == token_ids[shared]:
-            shared += 1
-        cache.copy_from(target_cache, shared, token_ids)
+        cache.copy_from(target_cache, end, token_ids)
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         # drafts fed as device tensors and since committed get their ids back (for prefix reuse)
