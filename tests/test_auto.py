@@ -5,10 +5,13 @@ request, costs shared, and every choice from past steps only. Exactness lives in
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.adaptive import StepCosts
+from engine.drafters.auto import MATCH_PRIORS, match_track
+from engine.drafters.base import Proposal
 from engine.engine import Request
-from engine.sampling import SamplingParams
+from engine.sampling import RequestSampler, SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
 
 
@@ -29,88 +32,118 @@ def priced_auto(verify: dict[int, float], model_cost: float, alpha: dict[str, fl
     auto = auto_engine().drafter("auto")
     auto.begin([1, 2, 3])
     auto.verify = StepCosts(0.0, verify)
-    auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(model_cost), "staged": StepCosts(0.012)}
-    auto._request.alpha = alpha
-    auto._request.last_tried = dict.fromkeys(auto.candidates, 0)
+    auto.draft_costs = {"model": StepCosts(model_cost), "staged": StepCosts(0.012)}
+    auto._request.alpha |= alpha
+    auto._request.last_tried = dict.fromkeys([*auto.candidates, *auto.priors], 0)
     return auto
+
+
+def offer(num_tokens: int, match_length: int) -> dict[str, tuple[Proposal, str]]:
+    """Text matching's offer for a step: ``num_tokens`` drafts continuing a match of ``match_length``."""
+    return {"suffix": (Proposal(torch.arange(num_tokens), None), match_track("suffix", match_length))}
 
 
 def test_the_choice_follows_cost_and_acceptance():
     auto = priced_auto(
-        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix": 0.1, "model": 0.9, "staged": 0.5}
+        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@4": 0.1, "model": 0.9, "staged": 0.5}
     )
     prompt = [1, 2, 3]
-    assert auto._choose(prompt, 4) == ("model", 4)
+    assert auto._choose(prompt, 4, offer(4, 4)) == ("model", 4)
     # the draft model has read none of a 900-token context: at 10 ms a token, catching up loses
     auto.catch_up = {"model": 0.010, "staged": 0.010}
     assert auto._choose([1] * 900, 4) == (None, 0)
-    auto._request.alpha["suffix"] = 0.9  # as good and nearly free
-    assert auto._choose(prompt, 4) == ("suffix", 4)
-    auto._request.alpha = {"suffix": 0.05, "model": 0.05, "staged": 0.05}
-    assert auto._choose(prompt, 4) == (None, 0)  # nothing pays: plain decoding
+    auto._request.alpha["suffix@4"] = 0.9  # as good and nearly free
+    assert auto._choose(prompt, 4, offer(4, 4)) == ("suffix", 4)
+    auto._request.alpha |= {"suffix@4": 0.05, "model": 0.05, "staged": 0.05}
+    assert auto._choose(prompt, 4, offer(4, 4)) == (None, 0)  # nothing pays: plain decoding
     assert auto._choose(prompt, 0) == (None, 0)
 
 
-def test_a_candidate_that_seldom_finds_anything_to_propose_is_priced_by_what_it_proposes():
+def test_text_matching_is_judged_by_its_offer_and_the_length_of_its_match():
+    """Its proposal is made before the choice: a long match wins the step, a one-token match (which
+    seldom holds) or no match leaves it to the draft model, and a short offer is priced as short."""
     auto = priced_auto(
-        {0: 0.030, 1: 0.030, 2: 0.030, 3: 0.030, 4: 0.031}, 0.004, {"suffix": 0.6, "model": 0.6, "staged": 0.1}
+        {0: 0.030, 1: 0.031, 2: 0.032, 3: 0.033, 4: 0.034}, 0.006, {"suffix@1": 0.2, "suffix@8": 0.95, "model": 0.9}
     )
     prompt = [1, 2, 3]
-    assert auto._choose(prompt, 4)[0] == "suffix"  # as good and cheaper, while it proposes every step
-    auto._request.coverage["suffix"] = (2.0, 10.0)  # a proposal in 2 of its last 10 steps
-    assert auto._choose(prompt, 4)[0] == "model"
+    assert auto._choose(prompt, 4, offer(4, 8)) == ("suffix", 4)
+    assert auto._choose(prompt, 4, offer(2, 1))[0] == "model"
+    assert auto._choose(prompt, 4, {})[0] == "model"
+    assert auto._choose(prompt, 4, offer(1, 8))[0] == "model"  # one token, however sure, against the model's run
+    assert [match_track("suffix", n) for n in (1, 2, 3, 4, 7, 8)] == [
+        "suffix@1",
+        "suffix@2",
+        "suffix@2",
+        "suffix@4",
+        "suffix@4",
+        "suffix@8",
+    ]
+
+
+def test_the_offer_is_what_a_step_choosing_text_matching_drafts():
+    engine = auto_engine()
+    engine.warm_up()
+    auto = engine.drafter("auto")
+    prompt = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11]  # suffix continues [7 .. 11] with 12, 7, 8, ...
+    auto.begin(prompt)
+    auto._request.alpha |= {"suffix@4": 0.99, "model": 0.1, "staged": 0.1}
+    auto._request.last_tried = dict.fromkeys([*auto.candidates, *auto.priors], 0)
+    sampler = RequestSampler(SamplingParams(temperature=0.0), 96, torch.device("cpu"), prompt, seed=0)
+    proposal = auto.propose(prompt, 4, sampler)
+    assert proposal.drafter == "suffix" and proposal.token_ids.tolist() == [12, 7, 8, 9]
+    assert auto._choice.track == "suffix@4" and auto.candidates["suffix"].match_length == 5
+    auto.accept(len(prompt) + 4)
+    assert auto._request.evidence["suffix@4"] == (4, 0)  # all four passed, on the track of a 4-7 token match
 
 
 def test_a_candidate_is_priced_by_what_its_steps_yielded_against_the_estimate():
-    """Text matching's runs are all or nothing and often shorter than asked: the geometric yield at
-    its acceptance can be off either way, and its realised tokens correct it."""
+    """Text matching's runs are all or nothing: the geometric yield at its acceptance can be off
+    either way, and its realised tokens correct it."""
     auto = priced_auto(
-        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix": 0.4, "model": 0.9, "staged": 0.1}
+        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@4": 0.4, "model": 0.9, "staged": 0.1}
     )
     prompt = [1, 2, 3]
-    assert auto._choose(prompt, 4)[0] == "model"
-    for _ in range(6):  # suffix asked for 4: every step all 4 passed, though its acceptance still reads 0.4
-        auto._request.alpha["suffix"] = 0.4
-        auto._observe("suffix", 4, 4, 4)
-    assert auto._request.yields["suffix"][0] > auto._request.yields["suffix"][1]
-    auto._request.alpha["suffix"] = 0.4
-    assert auto._choose(prompt, 4) == ("suffix", 4)
-    auto._request.yields["suffix"] = (5.0, 15.0)  # a third of what it was expected to yield
-    assert auto._choose(prompt, 4)[0] == "model"
+    assert auto._choose(prompt, 4, offer(4, 4))[0] == "model"
+    for _ in range(6):  # every step all 4 passed, though its acceptance still reads 0.4
+        auto._request.alpha["suffix@4"] = 0.4
+        auto._observe("suffix@4", 4, 4, 4)
+    assert auto._request.yields["suffix@4"][0] > auto._request.yields["suffix@4"][1]
+    auto._request.alpha["suffix@4"] = 0.4
+    assert auto._choose(prompt, 4, offer(4, 4)) == ("suffix", 4)
+    auto._request.yields["suffix@4"] = (5.0, 15.0)  # a third of what it was expected to yield
+    assert auto._choose(prompt, 4, offer(4, 4))[0] == "model"
 
 
-def test_probes_retry_text_matching_at_full_k_and_a_draft_model_with_one_token():
+def test_probes_take_a_text_match_of_a_length_unused_lately_and_a_draft_model_with_one_token():
     auto = priced_auto(
-        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix": 0.1, "model": 0.9, "staged": 0.5}
+        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@2": 0.1, "model": 0.9, "staged": 0.5}
     )
-    auto._request.step = 6  # suffix unused for more than 4 steps
-    assert auto._choose([1, 2, 3], 4) == ("suffix", 4)
-    auto._request.last_tried["suffix"] = 19
-    auto._request.step = 20  # the draft models unused for more than 16, suffix ran just now
-    assert auto._choose([1, 2, 3], 4) == ("model", 1)
+    auto._request.step = 17  # every candidate and match length unused for more than 16 steps
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("suffix", 3)
+    auto._request.last_tried["suffix@2"] = 17
+    auto._request.step = 18
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 1)
 
 
 def test_a_draft_model_is_not_tried_at_once_in_a_request():
     auto = auto_engine().drafter("auto")
     auto.begin([1, 2, 3])
     auto.verify = StepCosts(0.0, {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036})
-    auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(0.010), "staged": StepCosts(0.012)}
-    auto._request.alpha = {"suffix": 0.5, "model": 0.05, "staged": 0.05}  # its prior says it would not pay
-    auto._request.last_tried["suffix"] = 1
+    auto.draft_costs = {"model": StepCosts(0.010), "staged": StepCosts(0.012)}
+    auto._request.alpha |= {"model": 0.05, "staged": 0.05}  # its prior says it would not pay
     auto._request.step = 2
     assert auto._choose([1, 2, 3], 4)[0] != "model"
 
 
-def test_a_request_tries_suffix_first_whatever_earlier_requests_taught():
+def test_text_matchings_acceptance_by_match_length_carries_across_requests():
     auto = auto_engine().drafter("auto")
+    assert auto.priors["suffix@1"] == MATCH_PRIORS[1] < auto.priors["suffix@8"] == MATCH_PRIORS[8]
     auto.begin([1, 2, 3])
-    auto._request.alpha["suffix"] = 0.05  # a request where suffix matching never paid
-    auto._request.last_tried["suffix"] = 1
+    auto._request.alpha["suffix@1"] = 0.05  # a request where one-token matches never held
+    auto._request.last_tried["suffix@1"] = 1
     auto.begin([1, 2, 3])
-    auto.verify = StepCosts(0.0, {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036})
-    auto.draft_costs = {"suffix": StepCosts(1e-5), "model": StepCosts(0.010), "staged": StepCosts(0.012)}
-    assert auto._request.alpha["suffix"] == 0.5  # a text match's prior does not carry over
-    assert auto._choose([1, 2, 3], 4) == ("suffix", 4)
+    assert auto._request.alpha["suffix@1"] == pytest.approx(0.7 * MATCH_PRIORS[1] + 0.3 * 0.05)
+    assert auto._request.alpha["suffix@8"] == MATCH_PRIORS[8]  # a length the request never took: unchanged
 
 
 def test_steps_report_who_drafted_and_greedy_output_is_the_targets():
@@ -154,7 +187,7 @@ def test_warm_up_measures_the_draft_models_agreement_and_prefill_cost():
     for engine in (close, far):
         engine.warm_up()
     near_prior, far_prior = close.drafter("auto").priors, far.drafter("auto").priors
-    assert near_prior["model"] == near_prior["staged"] and near_prior["suffix"] == 0.5  # text matching keeps its own
+    assert near_prior["model"] == near_prior["staged"] and near_prior["suffix@2"] == MATCH_PRIORS[2]  # its own
     assert 0.0 < far_prior["model"] < near_prior["model"] <= 1.0
     assert close.drafter("auto")._request.alpha["model"] == near_prior["model"]  # the next request starts there
     assert all(seconds > 0 for seconds in close.drafter("auto").catch_up.values())
@@ -167,7 +200,7 @@ def test_warm_up_times_the_steps_so_the_first_request_need_not():
     auto = engine.drafter("auto")
     assert sorted(auto.verify.verify) == [0, 1, 2, 3, 4] and all(s > 0 for s in auto.verify.verify.values())
     assert auto.draft_costs["model"].draft == auto.draft_costs["staged"].draft > 0
-    assert auto.draft_costs["suffix"].draft is None  # text matching is timed by its first steps
+    assert "suffix" not in auto.draft_costs  # text matching's offer is made every step, whatever runs
     # the first live measure of the draft cost replaces the start-up timing; later ones average in
     model_costs = auto.draft_costs["model"]
     model_costs.observe(4, 4 * 0.5, 0.25)

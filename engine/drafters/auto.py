@@ -5,30 +5,30 @@ staged chain ``suffix,model``; drafting nothing (k = 0) is always an option. For
 drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds, where the
 acceptance a_c is this request's own: accepted tokens over accepted tokens plus rejections, pooled
 over the steps c ran (recent ones weigh more), counting only what c actually proposed. A request starts
-from a per-drafter prior: for a draft model, one that follows the acceptance of recent requests on
-this server (a bfloat16 copy of the target agrees with it far more often than a fixed prior
-assumes); for suffix matching a fixed one, since how well text repeats is the request's own affair.
-A candidate that found nothing to propose in part of its steps (text matching often does) yields one
-token at a plain step's cost in that share of steps, and a candidate whose steps yield more or less
-than the geometric estimate (text matching's runs are all or nothing, and shorter than asked when
-its match is short) has the estimate scaled by its realised over expected tokens. The draft cost d_c
-and verify cost v(k) are timed at start-up, then measured live on this host and shared by requests
-(v as a line over k that live steps move as a whole, ``StepCosts``; a request's first verify, which
-reads the prompt, is not timed).
+from a prior that finished requests move (for a draft model, first its agreement measured at
+start-up), and a candidate whose steps yield more or less than the geometric estimate (text
+matching's runs are all or nothing) has the estimate scaled by its realised over expected tokens.
+The draft cost d_c and verify cost v(k) are timed at start-up, then measured live on this host and
+shared by requests (v as a line over k that live steps move as a whole, ``StepCosts``; a request's
+first verify, which reads the prompt, is not timed).
+
+Text matching is asked first at every step, since its proposal costs next to nothing to make: the
+choice then knows how many tokens it offers and how long a match they continue, and its acceptance
+is tracked per match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a
+longer one mostly does, in chat as in code), so a long match wins the step and a weak one leaves
+it to the draft model. Its cost is its verify rows alone.
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
 (per token of a prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part
 of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long
 prompt is not prefilled into a draft that cannot win it back. (A draft that copies the target's
-keys and values, ``draft_kv``, has nothing to catch up on.) A candidate whose catch-up is cheap
-(suffix has none) runs once early in every request, since a chat prompt's acceptance says little
-about the code or tool call that follows. After a while unused, text matching is tried again at full
-k (its drafts cost only their verify rows), a draft model with one token, so acceptance stays
-current at a bounded cost; a draft model is not tried early, as its prior is its measured agreement.
+keys and values, ``draft_kv``, has nothing to catch up on.) A draft model unused for
+``probe_every`` steps is tried with one token, and an offer continuing a match of a length unused
+as long is taken, so acceptance stays current at a bounded cost.
 
-Every choice depends only on earlier steps, never on the current step's random draws, so the output
-is still distributed exactly as the target's.
+Every choice depends only on earlier steps and the committed tokens, never on the current step's
+random draws, so the output is still distributed exactly as the target's.
 """
 
 from __future__ import annotations
@@ -40,12 +40,19 @@ from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_to
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal, build, register
 
-PRIORS = {"suffix": 0.5, "model": ALPHA_PRIOR, "staged": ALPHA_PRIOR}  # acceptance before any request ran
-PRIOR_WEIGHT = 0.3  # how much one finished request moves a drafter's prior
+PRIORS = {"model": ALPHA_PRIOR, "staged": ALPHA_PRIOR}  # a draft model's acceptance before any request ran
+# A text match's, by the length of the match its proposal continues (suffix on bench/prompts.yaml:
+# 0.1-0.4 after a one-token match, 0.8-1.0 after two tokens or more, in chat as in code)
+MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
+PRIOR_WEIGHT = 0.3  # how much one finished request moves a prior
 HORIZON = 64  # tokens over which a candidate's catch-up is paid back
-CHEAP_PROBE_EVERY = 4  # candidates without a draft model (suffix) are retried this often: a probe costs a row
 PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of evidence
 EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
+
+
+def match_track(name: str, match_length: int) -> str:
+    """What a text matcher's proposal is judged by: ``suffix@4`` for a match of 4 to 7 tokens."""
+    return f"{name}@{max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))}"
 
 
 @dataclass(slots=True)
@@ -57,6 +64,7 @@ class _Choice:
     # first catches up on everything since (the whole prompt, for a draft model's first step)
     steady: bool = False
     lag: int = 0  # tokens the candidate read before proposing
+    track: str | None = None  # whose acceptance the step informs: the name, or a text match's length bucket
     drafted: int = 0  # tokens actually proposed
     draft_seconds: float = 0.0
     proposed_at: float = 0.0
@@ -64,30 +72,31 @@ class _Choice:
 
 @dataclass(slots=True)
 class _Request:
-    alpha: dict[str, float] = field(default_factory=dict)  # each candidate's acceptance estimate now
-    # per candidate: (accepted tokens, rejections) seen this request, older steps faded
+    alpha: dict[str, float] = field(default_factory=dict)  # each track's acceptance estimate now
+    # per track: (accepted tokens, rejections) seen this request, older steps faded
     evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # per candidate: (steps it proposed anything, steps it ran), older steps faded. Text matching often
-    # finds nothing to propose, and such a step yields one token at a plain step's cost, whatever alpha says
-    coverage: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # per candidate: (tokens its proposing steps yielded, tokens the geometric estimate expected of
-    # them), older steps faded: their ratio corrects the estimate where acceptance is not geometric
+    # per track: (tokens its steps yielded, tokens the geometric estimate expected of them), older
+    # steps faded: their ratio corrects the estimate where acceptance is not geometric
     yields: dict[str, tuple[float, float]] = field(default_factory=dict)
-    last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate last ran
+    last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate and track last ran
     step: int = 0
 
 
 class AutoDrafter:
     name = "auto"
-    probe_every = PROBE_EVERY  # steps after which an unused candidate is tried again
+    probe_every = PROBE_EVERY  # steps after which an unused candidate (or match length) is tried again
 
     def __init__(self, candidates: dict[str, Drafter]) -> None:
         self.candidates = candidates
-        self.draft_costs: dict[str, StepCosts] = {name: StepCosts() for name in candidates}  # across requests
+        readers = [name for name in candidates if self._reads(name)]
+        self.draft_costs: dict[str, StepCosts] = {name: StepCosts() for name in readers}  # across requests
         self.verify = StepCosts()  # verify cost by k, whatever drafted
         self.catch_up: dict[str, float] = {}  # seconds per token a candidate takes to read what it missed
         self.extra_row: dict[str, float] = {}  # seconds per row beyond the first of a short read
-        self.priors = {name: PRIORS.get(name, ALPHA_PRIOR) for name in candidates}  # across requests
+        self.priors = {name: PRIORS.get(name, ALPHA_PRIOR) for name in readers}  # by track, across requests
+        for name in candidates:
+            if name not in readers:
+                self.priors |= {match_track(name, length): prior for length, prior in MATCH_PRIORS.items()}
         self._request = _Request()
         self._choice: _Choice | None = None
 
@@ -100,23 +109,27 @@ class AutoDrafter:
         for candidate in self.candidates.values():
             candidate.begin(prompt_ids, tenant)
         finished = self._request
-        for name in finished.last_tried:  # what the last request learned about the draft models it ran
-            if self._reads(name):  # a model's agreement carries over; a text match's does not
-                self.priors[name] = (1 - PRIOR_WEIGHT) * self.priors[name] + PRIOR_WEIGHT * finished.alpha[name]
+        for track in finished.last_tried:  # what the last request measured moves the next one's start
+            if track in self.priors:
+                self.priors[track] = (1 - PRIOR_WEIGHT) * self.priors[track] + PRIOR_WEIGHT * finished.alpha[track]
         self._request = _Request(alpha=dict(self.priors))
         self._choice = None
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
         request.step += 1
-        name, k = self._choose(token_ids, num_draft_tokens)
+        offers = self._offers(token_ids, num_draft_tokens, sampler)
+        name, k = self._choose(token_ids, num_draft_tokens, offers)
         steady = request.last_tried.get(name) == request.step - 1
         choice = _Choice(name, k, len(token_ids), steady=steady, lag=self._lag(name, token_ids) or 0)
         started = time.perf_counter()
         proposal = Proposal.empty(sampler.device)
-        if name is not None and k > 0:
-            proposal = self.candidates[name].propose(token_ids, k, sampler)
-            request.last_tried[name] = request.step
+        if name in offers:
+            proposal, choice.track = offers[name]
+        elif name is not None and k > 0:
+            proposal, choice.track = self.candidates[name].propose(token_ids, k, sampler), name
+        if choice.track is not None:
+            request.last_tried[name] = request.last_tried[choice.track] = request.step
         choice.drafted = proposal.token_ids.shape[0]
         choice.proposed_at = time.perf_counter()
         choice.draft_seconds = choice.proposed_at - started
@@ -132,44 +145,72 @@ class AutoDrafter:
         verify_seconds = time.perf_counter() - choice.proposed_at  # the target's pass ran in between
         if self._request.step > 1:  # a request's first verify also reads the prompt
             self.verify.observe(choice.drafted, 0.0, verify_seconds)
-        if choice.name is None or choice.num_draft_tokens == 0:
+        if choice.track is None:
             return
-        costs = self.draft_costs[choice.name]
-        if choice.steady:  # a step that caught up first would price drafting at prefill cost
+        costs = self.draft_costs.get(choice.name)  # None for text matching: its offer is made every step
+        if costs is not None and choice.steady:  # a step that caught up first would price drafting at prefill cost
             costs.observe(max(choice.drafted, 1), choice.draft_seconds, verify_seconds)
-        elif choice.lag > choice.num_draft_tokens + 2 and costs.draft is not None:
+        elif costs is not None and costs.draft is not None and choice.lag > choice.num_draft_tokens + 2:
             reading = max(choice.draft_seconds - choice.drafted * costs.draft, 0.0) / choice.lag
             self.catch_up[choice.name] = _update(self.catch_up.get(choice.name), reading)
-        proposed, ran = self._request.coverage.get(choice.name, (0.0, 0.0))
-        self._request.coverage[choice.name] = (
-            EVIDENCE_DECAY * proposed + (choice.drafted > 0),
-            EVIDENCE_DECAY * ran + 1,
-        )
-        if choice.drafted == 0:  # nothing proposed (no match): the step cost a plain decode, says nothing of a
+        if choice.drafted == 0:  # nothing proposed: the step cost a plain decode, says nothing of acceptance
             return
-        self._observe(choice.name, num_committed - choice.sequence_length, choice.drafted, choice.num_draft_tokens)
+        self._observe(choice.track, num_committed - choice.sequence_length, choice.drafted, choice.num_draft_tokens)
 
-    def _observe(self, name: str, accepted: int, drafted: int, asked: int | None = None) -> None:
+    def _observe(self, track: str, accepted: int, drafted: int, asked: int | None = None) -> None:
         """A step's accepted run is a truncated geometric sample: ``accepted`` successes, then one
         rejection unless all ``drafted`` passed. Pooling them (rather than averaging per-step
         ratios, where one early rejection reads as acceptance 0) gives the maximum-likelihood
         acceptance; the prior counts as PRIOR_TOKENS tokens of evidence.
 
         The step's tokens are also set against what the choice expected of it at the k it asked
-        for (``asked``): text matching proposes fewer tokens than asked when its match is short,
-        and its runs are all or nothing, so the geometric yield can be off either way."""
+        for (``asked``): a draft model's confidence cutoff drafts fewer tokens than asked, and text
+        matching's runs are all or nothing, so the geometric yield can be off either way."""
         request = self._request
-        yielded, expected = request.yields.get(name, (0.0, 0.0))
-        request.yields[name] = (
+        yielded, expected = request.yields.get(track, (0.0, 0.0))
+        request.yields[track] = (
             EVIDENCE_DECAY * yielded + accepted + 1,
-            EVIDENCE_DECAY * expected + expected_tokens(request.alpha[name], asked or drafted),
+            EVIDENCE_DECAY * expected + expected_tokens(self._alpha(track), asked or drafted),
         )
-        successes, rejections = request.evidence.get(name, (0.0, 0.0))
+        successes, rejections = request.evidence.get(track, (0.0, 0.0))
         successes = EVIDENCE_DECAY * successes + accepted
         rejections = EVIDENCE_DECAY * rejections + (accepted < drafted)
-        request.evidence[name] = (successes, rejections)
-        estimate = (successes + PRIOR_TOKENS * self.priors[name]) / (successes + rejections + PRIOR_TOKENS)
-        request.alpha[name] = min(0.99, estimate)
+        request.evidence[track] = (successes, rejections)
+        prior = self.priors.get(track, ALPHA_PRIOR)
+        request.alpha[track] = min(0.99, (successes + PRIOR_TOKENS * prior) / (successes + rejections + PRIOR_TOKENS))
+
+    def _alpha(self, track: str) -> float:
+        return self._request.alpha.get(track, self.priors.get(track, ALPHA_PRIOR))
+
+    def _tokens(self, track: str, k: int) -> float:
+        """Tokens a step drafting k is expected to yield: geometric at the track's acceptance, scaled by
+        what its steps realised against that (from 1), at most all k and the bonus token."""
+        yielded, expected = self._request.yields.get(track, (0.0, 0.0))
+        bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
+        return min(bias * expected_tokens(self._alpha(track), k), k + 1.0)
+
+    def _text_step(self, offers: dict[str, tuple[Proposal, str]]) -> tuple[tuple[str | None, int], float, float]:
+        """The best of the text matchers' offers and a plain step, by expected tokens per second:
+        ((candidate, k), expected tokens, seconds)."""
+        best, tokens, seconds = (None, 0), 1.0, self.verify.verify_cost(0)
+        for name, (proposal, track) in offers.items():
+            drafted = proposal.token_ids.shape[0]
+            offered, cost = self._tokens(track, drafted), self.verify.verify_cost(drafted)
+            if offered / cost > tokens / seconds:
+                best, tokens, seconds = (name, drafted), offered, cost
+        return best, tokens, seconds
+
+    def _offers(self, token_ids: list[int], limit: int, sampler: RequestSampler) -> dict[str, tuple[Proposal, str]]:
+        """What each text matcher would draft now (up to ``limit`` tokens), with the track its
+        acceptance is read from; matchers that found nothing are left out. Deterministic and cheap
+        (a table lookup), so it is asked before choosing."""
+        offers = {}
+        for name, candidate in self.candidates.items():
+            if limit > 0 and not self._reads(name):
+                proposal = candidate.propose(token_ids, limit, sampler)
+                if proposal.token_ids.shape[0]:
+                    offers[name] = (proposal, match_track(name, candidate.match_length))
+        return offers
 
     def expect_catch_up(self, seconds_per_token: float, seconds_per_extra_row: float | None = None) -> None:
         """Start-up's measures of a draft model's reading cost: per token of a long prefill (until
@@ -221,43 +262,35 @@ class AutoDrafter:
             return (lag - 1) * self.extra_row[name]
         return lag * self.catch_up.get(name, self.draft_costs[name].draft or 0.0)
 
-    def _choose(self, token_ids: list[int], limit: int) -> tuple[str | None, int]:
-        """(candidate, k) with the most expected tokens per second; (None, 0) to draft nothing."""
+    def _choose(
+        self, token_ids: list[int], limit: int, offers: dict[str, tuple[Proposal, str]] | None = None
+    ) -> tuple[str | None, int]:
+        """(candidate, k) with the most expected tokens per second; (None, 0) to draft nothing.
+        ``offers``: the text matchers' proposals for this step (``_offers``)."""
         if limit <= 0:
             return None, 0
-        request = self._request
+        request, offers = self._request, offers or {}
         for name, costs in self.draft_costs.items():
-            if costs.draft is None:  # measure every candidate once, over two consecutive steps (see steady)
+            if costs.draft is None:  # measure every draft model once, over two consecutive steps (see steady)
                 return name, limit
         if not self.verify.knows(0):
             return None, 0  # and plain decoding once
         plain_step = self.verify.verify_cost(0)
-        catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.candidates}
-        for name in self.candidates:  # probes keep each candidate's acceptance current
-            if catch_up[name] > plain_step:
-                continue  # a probe must stay cheap
-            # text matching's prior says nothing of this request's text: try it at once. A draft
-            # model's prior is its measured agreement, moved by recent requests: it runs when it
-            # wins on that, and its probes keep the estimate current.
-            if name not in request.last_tried and not self._reads(name):
-                return name, limit
-            if self._reads(name):  # a draft model's probe drafts one token: each costs a forward
-                if request.step - request.last_tried.get(name, 0) > self.probe_every:
-                    return name, 1
-            elif request.step - request.last_tried.get(name, 0) > min(self.probe_every, CHEAP_PROBE_EVERY):
-                return name, limit  # text matching's drafts cost nothing but their verify rows
-        best, best_rate = (None, 0), 1.0 / plain_step
+        # Probes keep acceptance current: a text match of a length unused for a while is taken (its
+        # rows are its only cost); a draft model drafts one token, if it need not catch up much first.
+        for name, (proposal, track) in offers.items():
+            if request.step - request.last_tried.get(track, 0) > self.probe_every:
+                return name, proposal.token_ids.shape[0]
+        catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.draft_costs}
+        for name in self.draft_costs:
+            if catch_up[name] <= plain_step and request.step - request.last_tried.get(name, 0) > self.probe_every:
+                return name, 1
+        best, tokens, seconds = self._text_step(offers)  # or a plain step
+        best_rate = tokens / seconds
         for name, costs in self.draft_costs.items():
-            alpha = request.alpha[name]
-            proposed, ran = request.coverage.get(name, (0.0, 0.0))
-            covered = (proposed + 1) / (ran + 1)  # the share of steps with a proposal, from 1 before any ran
-            yielded, expected = request.yields.get(name, (0.0, 0.0))
-            bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)  # realised over expected, from 1
             for k in range(1, limit + 1):
-                # a step without a proposal is a plain step: one token at the plain cost
-                tokens = covered * min(bias * expected_tokens(alpha, k), k + 1.0) + (1 - covered)
-                verify = covered * self.verify.verify_cost(k) + (1 - covered) * plain_step
-                seconds = k * (costs.draft or 0.0) + verify + catch_up[name] * tokens / HORIZON
+                tokens = self._tokens(name, k)
+                seconds = k * costs.draft + self.verify.verify_cost(k) + catch_up[name] * tokens / HORIZON
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
         return best

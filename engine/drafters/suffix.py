@@ -107,6 +107,7 @@ class SuffixDrafter:
         self._tenant = ""
         self._prompt_len = 0
         self._sequence: list[int] = []  # the request's prompt and committed output, as last seen
+        self.match_length = 0  # tokens the last proposal's first match spanned (0: none): how far to trust it
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         self._retire()
@@ -119,12 +120,13 @@ class SuffixDrafter:
         self._indexed, self._sequence = len(token_ids), token_ids
         shared = self.cache.index(self._tenant) if self.cache is not None else None
         context, drafted, probability, limit = list(token_ids[-self.max_match :]), [], 1.0, num_draft_tokens
+        self.match_length = 0
         while len(drafted) < limit:
             n, counts = self._best(context, shared)
             if counts is None:
                 break
             if not drafted:  # the first match sets how far this draft may reach
-                limit = min(num_draft_tokens, max(1, int(MATCH_FACTOR * n)))
+                self.match_length, limit = n, min(num_draft_tokens, max(1, int(MATCH_FACTOR * n)))
             token, count = counts.most_common(1)[0]
             probability *= count / sum(counts.values())
             if probability < MIN_PROBABILITY:
