@@ -138,12 +138,13 @@ class CausalLM:
         return self._linear(self.lm_head, hidden)
 
     def linear_weights(self) -> list[torch.Tensor]:
-        """Every weight a forward multiplies by (the ones ``plan_matmuls`` times)."""
-        modules = [self.lm_head]
+        """Every weight a forward multiplies by (the ones ``plan_matmuls`` times): the LM head, and
+        per layer q/k/v as one, o, gate/up as one, down."""
+        weights = [self.lm_head.weight]
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        return [module.weight for module in modules]
+            weights += [attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight]
+        return weights
 
     def plan_matmuls(self, max_rows: int) -> MatmulPlan:
         """On CPU, measure which product formulation is fastest for each weight shape at 1..max_rows
@@ -184,7 +185,7 @@ class CausalLM:
 
     def _attention(self, attn, x, index, positions, window, cos, sin, mask) -> torch.Tensor:
         num_new, heads, kv_heads, dim = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self._fused_linear(x, attn, ("q_proj", "k_proj", "v_proj"), "qkv")  # [1, T, (H + 2 H_kv) D]
+        qkv = self._fused_linear(x, attn, "qkv")  # [1, T, (H + 2 H_kv) D]
         v = qkv[..., (heads + kv_heads) * dim :].view(1, num_new, kv_heads, dim).transpose(1, 2)  # [1, H_kv, T, D]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
             q = attn.q_norm(qkv[..., : heads * dim].view(1, num_new, heads, dim))  # [1, T, H, D]
@@ -203,17 +204,14 @@ class CausalLM:
         return self._linear(attn.o_proj, out)  # [1, T, E]
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._fused_linear(x, mlp, ("gate_proj", "up_proj"), "gate_up").chunk(2, dim=-1)  # [1, T, I] each
+        gate, up = self._fused_linear(x, mlp, "gate_up").chunk(2, dim=-1)  # [1, T, I] each
         return self._linear(mlp.down_proj, mlp.act_fn(gate) * up)  # [1, T, E]
 
-    def _fused_linear(self, x: torch.Tensor, module: nn.Module, names: tuple[str, ...], fused: str) -> torch.Tensor:
-        """x [1, T, I] through the layers ``fuse_linears`` stacked -> [1, T, sum of O]. On a GPU one
-        product (fewer kernels is the point); on CPU the original layers one by one (their weights are
-        views of the fused one), each through the measured ``MatmulPlan`` (a verify's 5 rows through
-        the fused 3072-row MLP weight with ``F.linear`` took a slow BLAS path, engine/matmul.py)."""
-        if self.device.type != "cpu":
-            return F.linear(x, getattr(module, f"{fused}_weight"), getattr(module, f"{fused}_bias"))
-        return torch.cat([self._linear(getattr(module, name), x) for name in names], dim=-1)
+    def _fused_linear(self, x: torch.Tensor, module: nn.Module, fused: str) -> torch.Tensor:
+        """x [1, T, I] through the layers ``fuse_linears`` stacked, as one product -> [1, T, sum of O]:
+        fewer kernels, and on CPU a formulation the ``MatmulPlan`` measured for the stacked shape
+        (a verify's 5 rows through the 3072-row MLP weight with ``F.linear`` took a slow BLAS path)."""
+        return self.matmul.linear(x, getattr(module, f"{fused}_weight"), getattr(module, f"{fused}_bias"))
 
 
 def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
