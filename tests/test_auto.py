@@ -80,6 +80,16 @@ def test_text_matching_is_judged_by_its_offer_and_the_length_of_its_match():
     ]
 
 
+def test_a_draft_model_must_beat_text_matchings_pace_over_the_last_steps():
+    """Right after a run of long matches, a step without one goes to plain decoding (the next match
+    comes sooner than four drafted tokens); once the pace has faded, the draft model takes over."""
+    auto = priced_auto({0: 0.030, 1: 0.031, 2: 0.032, 3: 0.033, 4: 0.034}, 0.006, {"model": 0.9})
+    auto._request.text_pace = (9.0, 0.07)  # lately about 4.5 tokens a step at 35 ms
+    assert auto._choose([1, 2, 3], 4, {}) == (None, 0)
+    auto._request.text_pace = (2.5, 0.12)  # three plain steps later
+    assert auto._choose([1, 2, 3], 4, {})[0] == "model"
+
+
 def test_the_offer_is_what_a_step_choosing_text_matching_drafts():
     engine = auto_engine()
     engine.warm_up()
@@ -92,6 +102,8 @@ def test_the_offer_is_what_a_step_choosing_text_matching_drafts():
     proposal = auto.propose(prompt, 4, sampler)
     assert proposal.drafter == "suffix" and proposal.token_ids.tolist() == [12, 7, 8, 9]
     assert auto._choice.track == "suffix@4" and auto.candidates["suffix"].match_length == 5
+    # the step's offer joined text matching's pace: its expected tokens, at its verify's cost
+    assert auto._request.text_pace == (auto._tokens("suffix@4", 4), auto.verify.verify_cost(4))
     auto.accept(len(prompt) + 4)
     assert auto._request.evidence["suffix@4"] == (4, 0)  # all four passed, on the track of a 4-7 token match
 

@@ -16,7 +16,10 @@ Text matching is asked first at every step, since its proposal costs next to not
 choice then knows how many tokens it offers and how long a match they continue, and its acceptance
 is tracked per match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a
 longer one mostly does, in chat as in code), so a long match wins the step and a weak one leaves
-it to the draft model. Its cost is its verify rows alone.
+it to the draft model. Its cost is its verify rows alone. A draft model's step must also beat the
+pace text matching (or plain decoding) would have kept over the last few steps, each step halving
+the weight of those before: where the text repeats, a plain step reaches the next match sooner
+than four drafted tokens would.
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
@@ -48,6 +51,7 @@ PRIOR_WEIGHT = 0.3  # how much one finished request moves a prior
 HORIZON = 64  # tokens over which a candidate's catch-up is paid back
 PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of evidence
 EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
+PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 
 
 def match_track(name: str, match_length: int) -> str:
@@ -79,6 +83,9 @@ class _Request:
     # steps faded: their ratio corrects the estimate where acceptance is not geometric
     yields: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate and track last ran
+    # (tokens, seconds) text matching or plain decoding would have made of the last few steps, at the
+    # best offer each step had: the pace a draft model's step must beat
+    text_pace: tuple[float, float] = (0.0, 0.0)
     step: int = 0
 
 
@@ -119,6 +126,10 @@ class AutoDrafter:
         request = self._request
         request.step += 1
         offers = self._offers(token_ids, num_draft_tokens, sampler)
+        if self.verify.knows(0):
+            tokens, seconds = self._text_step(offers)[1:]
+            paced_tokens, paced_seconds = request.text_pace
+            request.text_pace = (PACE_DECAY * paced_tokens + tokens, PACE_DECAY * paced_seconds + seconds)
         name, k = self._choose(token_ids, num_draft_tokens, offers)
         steady = request.last_tried.get(name) == request.step - 1
         choice = _Choice(name, k, len(token_ids), steady=steady, lag=self._lag(name, token_ids) or 0)
@@ -285,8 +296,12 @@ class AutoDrafter:
         for name in self.draft_costs:
             if catch_up[name] <= plain_step and request.step - request.last_tried.get(name, 0) > self.probe_every:
                 return name, 1
+        # A draft model's step must beat text matching's pace over the last few steps, not only this
+        # step's offer: where the text repeats, a plain step leads to the next match sooner than
+        # drafting four tokens would.
         best, tokens, seconds = self._text_step(offers)  # or a plain step
-        best_rate = tokens / seconds
+        paced_tokens, paced_seconds = request.text_pace
+        best_rate = max(tokens / seconds, paced_tokens / paced_seconds if paced_seconds else 0.0)
         for name, costs in self.draft_costs.items():
             for k in range(1, limit + 1):
                 tokens = self._tokens(name, k)
