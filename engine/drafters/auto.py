@@ -43,9 +43,9 @@ from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_to
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal, build, register
 
-PRIORS = {"model": ALPHA_PRIOR, "staged": ALPHA_PRIOR}  # a draft model's acceptance before any request ran
-# A text match's, by the length of the match its proposal continues (suffix on bench/prompts.yaml:
-# 0.1-0.4 after a one-token match, 0.8-1.0 after two tokens or more, in chat as in code)
+# A text match's acceptance before any request ran, by the length of the match its proposal
+# continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
+# tokens or more, in chat as in code). A draft model's is ALPHA_PRIOR until start-up measures it.
 MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
 PRIOR_WEIGHT = 0.3  # how much one finished request moves a prior
 HORIZON = 64  # tokens over which a candidate's catch-up is paid back
@@ -100,7 +100,7 @@ class AutoDrafter:
         self.verify = StepCosts()  # verify cost by k, whatever drafted
         self.catch_up: dict[str, float] = {}  # seconds per token a candidate takes to read what it missed
         self.extra_row: dict[str, float] = {}  # seconds per row beyond the first of a short read
-        self.priors = {name: PRIORS.get(name, ALPHA_PRIOR) for name in readers}  # by track, across requests
+        self.priors = dict.fromkeys(readers, ALPHA_PRIOR)  # by track, across requests
         for name in candidates:
             if name not in readers:
                 self.priors |= {match_track(name, length): prior for length, prior in MATCH_PRIORS.items()}
@@ -159,11 +159,12 @@ class AutoDrafter:
         if choice.track is None:
             return
         costs = self.draft_costs.get(choice.name)  # None for text matching: its offer is made every step
-        if costs is not None and choice.steady:  # a step that caught up first would price drafting at prefill cost
-            costs.observe(max(choice.drafted, 1), choice.draft_seconds, verify_seconds)
-        elif costs is not None and costs.draft is not None and choice.lag > choice.num_draft_tokens + 2:
-            reading = max(choice.draft_seconds - choice.drafted * costs.draft, 0.0) / choice.lag
-            self.catch_up[choice.name] = _update(self.catch_up.get(choice.name), reading)
+        if costs is not None:
+            if choice.steady:  # a step that caught up first would price drafting at prefill cost
+                costs.observe(max(choice.drafted, 1), choice.draft_seconds, verify_seconds)
+            elif costs.draft is not None and choice.lag > choice.num_draft_tokens + 2:
+                reading = max(choice.draft_seconds - choice.drafted * costs.draft, 0.0) / choice.lag
+                self.catch_up[choice.name] = _update(self.catch_up.get(choice.name), reading)
         if choice.drafted == 0:  # nothing proposed: the step cost a plain decode, says nothing of acceptance
             return
         self._observe(choice.track, num_committed - choice.sequence_length, choice.drafted, choice.num_draft_tokens)
