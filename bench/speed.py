@@ -40,9 +40,11 @@ from runners import EngineRunner, HFRunner, LlamaCppRunner, Run, ServerRunner  #
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import build_engine  # noqa: E402
-from engine.loader import embedded_gguf, eos_token_ids, load  # noqa: E402
+from engine.loader import embedded_gguf, eos_token_ids, load, load_draft  # noqa: E402
+from server.settings import DEFAULT_DRAFT  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
+HF_ASSISTANT = "copy:bfloat16"
 DRAFTERS = "none,default,suffix,model,ngram,staged"  # default is auto: no separate auto row
 
 
@@ -77,6 +79,7 @@ def main() -> None:
     parser.add_argument("--adaptive", default="", help="also run these with adaptive k")
     parser.add_argument("--in-process", default="", help="also run these in this process, e.g. none")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="specserve's draft (HF assisted keeps a bfloat16 copy)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per run (default 96; quick 64)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 1)")
     parser.add_argument("--types", default="chat,code,summarise,long,agentic,multi-turn")
@@ -91,14 +94,17 @@ def main() -> None:
 
     bandwidths = [measure_read_bandwidth()]
     server = ServerRunner(
-        ["--draft", "copy:bfloat16", "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"],
+        ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"],
         results_dir / f"{args.name}-server.log",
     )
     try:
-        engine_config = EngineConfig(draft="copy:bfloat16", num_draft_tokens=args.num_draft_tokens, max_model_len=4096)
-        models = load(engine_config)
+        # HF assisted drafts with a bfloat16 copy, its best; the in-process engine with args.draft,
+        # built from its own copy (an int8 draft frees the floating-point weights it quantizes)
+        models = load(EngineConfig(draft=HF_ASSISTANT, max_model_len=4096))
+        engine_config = EngineConfig(draft=args.draft, num_draft_tokens=args.num_draft_tokens, max_model_len=4096)
+        draft = models.draft if args.draft == HF_ASSISTANT else load_draft(engine_config, models.target)
         eos = eos_token_ids(models.target, models.tokenizer)
-        engine = build_engine(engine_config, models.target, models.draft, eos)
+        engine = build_engine(engine_config, models.target, draft, eos)
         runners = {
             "hf": HFRunner(models.target, models.draft, models.tokenizer.eos_token_id),
             "engine": EngineRunner(engine),
@@ -133,7 +139,7 @@ def main() -> None:
         "model": models.target_name,
         "weight_bytes": engine.target.weight_bytes,
         "bound_ms_per_forward": round(bound_s * 1e3, 2),
-        "settings": {k: getattr(args, k) for k in ("num_draft_tokens", "max_tokens", "repeats", "quick")},
+        "settings": {k: getattr(args, k) for k in ("draft", "num_draft_tokens", "max_tokens", "repeats", "quick")},
         "date": time.strftime("%Y-%m-%d"),
         **summarise(configs, runs, bound_s),
     }

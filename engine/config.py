@@ -15,6 +15,11 @@ FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
 DRAFT_KV = ("auto", "own", "target")
 COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "copy:int8": the target's weights as int8 rows with a scale each, bfloat16 activations (CPU);
+# "copy:auto": bfloat16 or int8, whichever start-up measures faster here (engine/measure.py)
+COPY_INT8 = "int8"
+COPY_AUTO = "auto"
+COPY_FORMS = (*DTYPES, COPY_INT8, COPY_AUTO)
 
 
 @dataclass(slots=True)
@@ -66,6 +71,10 @@ class EngineConfig:
             raise ConfigError(f"ngram sizes must satisfy 1 <= min <= max, got {self.ngram_sizes}")
         if self.draft is not None and self.draft.lower() == "none":
             self.draft = None
+        if self.draft_copy is not None and self.draft_copy not in COPY_FORMS:
+            raise ConfigError(
+                f"draft {self.draft!r}: a copy of the target is one of {', '.join(COPY_PREFIX + form for form in COPY_FORMS)}"
+            )
         check_stages(self.stages)
         if self.draft_kv not in DRAFT_KV:
             raise ConfigError(f"draft_kv must be one of {', '.join(DRAFT_KV)}, got {self.draft_kv!r}")
@@ -73,9 +82,16 @@ class EngineConfig:
             raise ConfigError(f"forward must be one of {', '.join(FORWARD_MODES)}, got {self.forward!r}")
 
     @property
+    def draft_copy(self) -> str | None:
+        """What a ``copy:FORM`` draft is made of ("bfloat16", "int8", ...); None for other drafts."""
+        if self.draft is None or not self.draft.startswith(COPY_PREFIX):
+            return None
+        return self.draft[len(COPY_PREFIX) :]
+
+    @property
     def draft_reads_target_kv(self) -> bool:
         if self.draft_kv == "auto":
-            return self.draft is not None and self.draft.startswith(COPY_PREFIX)
+            return self.draft_copy is not None
         return self.draft_kv == "target"
 
     @property

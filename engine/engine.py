@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .adaptive import AdaptiveK, StepCosts
-from .config import ConfigError, EngineConfig, check_stages
+from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, ConfigError, EngineConfig, check_stages
 from .drafters import Drafter, DraftResources, Proposal, available, build
+from .measure import agreement, choose_copy, extra_row_seconds, prefill_seconds_per_token, read_seconds
 from .model import CausalLM
 from .runner import GraphRunner
 from .sampling import RequestSampler, SamplingParams
@@ -232,7 +233,8 @@ class SpecEngine:
             if model.runner is None:
                 if model.device.type == "cpu":
                     role = "target" if model is self.target else "draft"
-                    matmuls.append(f"{role} {model.plan_matmuls(min(max_query, model.max_len)).describe()}")
+                    model.plan_matmuls(min(max_query, model.max_len))
+                    matmuls.append(f"{role} {model.describe_products()}")
                 for num_tokens in range(1, min(max_query, model.max_len) + 1):
                     model.cache.rollback(0)
                     model.extend([0] * num_tokens, num_logits=num_tokens)
@@ -244,69 +246,22 @@ class SpecEngine:
         if auto is not None:
             # a forward over k + 1 tokens, k = 0..K, best of two each, fitted by a line: single
             # readings scatter by 10-15% here, and a high one would keep its k from ever being tried
-            timed = [self._read_seconds(self.target, k + 1, repeats=2) for k in range(max_query - 1)]
+            timed = [read_seconds(self.target, k + 1, repeats=2) for k in range(max_query - 1)]
             verify = dict(enumerate(_fitted_line(timed)))
             draft_step = None
             if self.draft is not None:
-                draft_step = self._read_seconds(self.draft, 1, repeats=3)
+                draft_step = read_seconds(self.draft, 1, repeats=3)
                 if not self.config.draft_reads_target_kv:  # one reading the target's cache has no catch-up
                     auto.expect_catch_up(
-                        self._prefill_seconds_per_token(self.draft),
-                        self._extra_row_seconds(self.draft, max_query, draft_step),
+                        prefill_seconds_per_token(self.draft), extra_row_seconds(self.draft, max_query, draft_step)
                     )
-                auto.expect_agreement(self._draft_agreement())
+                auto.expect_agreement(agreement(self.draft, self.target))
             auto.expect_step_costs(verify, draft_step)
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
         self.warm_up_report = WarmUp(
             self.config.forward_mode, variants, time.perf_counter() - started, graph_bytes, "; ".join(matmuls)
         )
         return self.warm_up_report
-
-    @staticmethod
-    def _read_seconds(model: CausalLM, num_tokens: int, repeats: int) -> float:
-        """The best of ``repeats`` timed forwards of ``model`` over ``num_tokens`` tokens from an empty cache."""
-        best = float("inf")
-        for _ in range(repeats):
-            model.cache.rollback(0)
-            started = time.perf_counter()
-            model.extend([0] * num_tokens)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            best = min(best, time.perf_counter() - started)
-        model.cache.rollback(0)
-        return best
-
-    def _prefill_seconds_per_token(self, model: CausalLM, num_tokens: int = 128) -> float:
-        """What reading a prompt costs ``model`` per token on this host (the first read pays first-call costs)."""
-        num_tokens = min(num_tokens, model.max_len)
-        return self._read_seconds(model, num_tokens, repeats=2) / num_tokens
-
-    def _extra_row_seconds(self, model: CausalLM, num_rows: int, one_row_seconds: float, repeats: int = 3) -> float:
-        """What each row beyond the first adds to a short forward of ``model`` (one row: ``one_row_seconds``)."""
-        extra = self._read_seconds(model, num_rows, repeats) - one_row_seconds
-        return max(extra, 0.0) / max(num_rows - 1, 1)
-
-    @torch.inference_mode()
-    def _draft_agreement(self, num_tokens: int = 32) -> float:
-        """How often the draft model's proposals would pass, before any request: the draft writes
-        ``num_tokens`` greedily from the start token, the target reads them in one pass, and the
-        mean of sum(min(p, q)) over the positions (a draft token's acceptance probability, 1 - total
-        variation) is the answer."""
-        draft, target = self.draft, self.target
-        num_tokens = min(num_tokens, draft.max_len - 1, target.max_len - 1)
-        start = target.config.bos_token_id if isinstance(target.config.bos_token_id, int) else 0
-        draft.cache.rollback(0)
-        token_ids, draft_probs = [start], []
-        for _ in range(num_tokens):
-            probs = torch.softmax(draft.extend(token_ids[-1:])[-1].float(), dim=-1)  # [V]
-            draft_probs.append(probs)
-            token_ids.append(int(probs.argmax()))
-        target.cache.rollback(0)
-        target_probs = torch.softmax(target.extend(token_ids[:-1], num_tokens).float(), dim=-1)  # [T, V]
-        draft.cache.rollback(0)
-        target.cache.rollback(0)
-        overlap = torch.minimum(target_probs, torch.stack(draft_probs)).sum(-1)  # [T]
-        return float(overlap.mean())
 
     def reset(self) -> None:
         """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""
@@ -494,6 +449,11 @@ def build_engine(
     max_len = config.max_model_len or min(limit, 4096)
     target = CausalLM(target_model, max_len)
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None
+    if draft is not None and config.draft_copy == COPY_INT8:
+        draft.quantize_int8()
+    elif draft is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
+        draft, form = choose_copy(target, draft, config.num_draft_tokens)
+        config = replace(config, draft=COPY_PREFIX + form)
     mode = config.forward_mode
     if mode != "eager":  # decode-shaped forwards: up to k drafts, a pending token, and a bonus row
         for model in filter(None, (target, draft)):

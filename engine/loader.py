@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import COPY_PREFIX, DTYPES, ConfigError, EngineConfig
+from .config import DTYPES, ConfigError, EngineConfig
 
 if TYPE_CHECKING:  # transformers takes a second to import: the start-up checks run without it
     from transformers import PreTrainedTokenizerBase
@@ -138,20 +138,27 @@ def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: N
     progress("tokenizer")
     target = load_model(config.target, device, dtype)
     progress(f"target {describe(target)}")
-    draft = None
-    if config.draft is not None and config.draft.startswith(COPY_PREFIX):
-        draft_dtype = config.draft[len(COPY_PREFIX) :]
-        if draft_dtype not in DTYPES:
-            raise ConfigError(f"draft {config.draft!r}: dtype must be one of {sorted(DTYPES)}")
-        started = time.perf_counter()
-        draft = copy.deepcopy(target).to(DTYPES[draft_dtype])
-        log.info("loaded draft %s: %s in %.1f s", config.draft, describe(draft), time.perf_counter() - started)
-    elif config.draft is not None:
+    if config.draft is not None and config.draft_copy is None:
         check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
-        draft = load_model(config.draft, device, dtype)
+    draft = load_draft(config, target)
     progress("draft none" if draft is None else f"draft {describe(draft)}")
     name = EMBEDDED_NAME if config.target is None else config.target
     return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=name)
+
+
+def load_draft(config: EngineConfig, target: torch.nn.Module) -> torch.nn.Module | None:
+    """The draft ``config`` names: a copy of ``target`` in another form, a model of its own, or none."""
+    if config.draft is None:
+        return None
+    if config.draft_copy is None:
+        return load_model(config.draft, config.torch_device, config.torch_dtype)
+    # an int8 copy (or copy:auto, which may become one) starts as a bfloat16 one; build_engine
+    # quantizes its products' weights
+    dtype = DTYPES.get(config.draft_copy, torch.bfloat16)
+    started = time.perf_counter()
+    draft = copy.deepcopy(target).to(dtype)
+    log.info("loaded draft %s: %s in %.1f s", config.draft, describe(draft), time.perf_counter() - started)
+    return draft
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:

@@ -31,7 +31,10 @@ def _parser() -> argparse.ArgumentParser:
         "--config", default=None, help="YAML preset (see configs/; or SPECSERVE_CONFIG); flags override it"
     )
     serve.add_argument("--target", help="model folder, hub id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    serve.add_argument("--draft", help="draft model ref, copy:DTYPE (the target in another dtype), or none")
+    serve.add_argument(
+        "--draft",
+        help="draft model ref, copy:FORM (the target as bfloat16, float16, float32, int8 rows, or auto: the faster of bfloat16 and int8 here), or none",
+    )
     serve.add_argument("--drafter", help="drafting strategy (default: model)")
     serve.add_argument("--num-draft-tokens", type=int, help="tokens drafted per speculative step (default 4)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -66,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         "--draft-kv",
         choices=DRAFT_KV,
         help="where a draft model's keys and values for accepted tokens come from: its own forward, or the "
-        "target's cache (one draft row per step); auto: the target's when the draft is a copy:DTYPE of it",
+        "target's cache (one draft row per step); auto: the target's when the draft is a copy:FORM of it",
     )
     serve.add_argument(
         "--suffix-global",

@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import ConfigError, EngineConfig
 
-DEFAULT_DRAFT = "copy:bfloat16"  # until better drafters land: a lower-precision copy of the target
+DEFAULT_DRAFT = "copy:auto"  # a copy of the target, bfloat16 or int8 rows, whichever measures faster here
 
 
 def _int_list(text: str | None, name: str) -> tuple[int, ...] | None:
@@ -27,7 +27,7 @@ class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_", extra="forbid")
 
     target: str | None = Field(default=None, description="model folder, hub id or .gguf file; none: embedded SmolLM2")
-    draft: str | None = Field(default="auto", description="draft model ref, copy:DTYPE, none, or auto")
+    draft: str | None = Field(default="auto", description="draft model ref, copy:FORM, none, or auto")
     drafter: str = "auto"
     num_draft_tokens: int = Field(default=4, ge=0, le=64)
     host: str = "127.0.0.1"

@@ -15,7 +15,7 @@ from tests.tiny import byte_tokenizer, save_tiny
 
 def test_embedded_preset_loads_and_flags_override_it():
     settings = ServeSettings.load(str(REPO / "configs/smollm2-135m.yaml"), {"num_draft_tokens": 6, "port": 9000})
-    assert settings.target is None and settings.resolved_draft == "copy:bfloat16"
+    assert settings.target is None and settings.resolved_draft == "copy:auto"
     assert settings.num_draft_tokens == 6 and settings.port == 9000 and settings.max_model_len == 4096
 
 

@@ -141,4 +141,5 @@ def test_the_log_has_plain_lines_and_load_times(default_server):
     log = default_server.log.read_text()
     assert "\r" not in log and "de-quantizing" not in log and "Loading weights" not in log  # no library bars
     assert re.search(r"loaded SmolLM2-135M-Instruct: .* in \d+\.\d s", log)
-    assert re.search(r"loaded draft copy:bfloat16: .* in \d+\.\d s", log)
+    assert re.search(r"loaded draft copy:auto: .* in \d+\.\d s", log)
+    assert re.search(r"draft copy:auto chose (int8|bfloat16) \(step [\d.]+ ms, agreement [\d.]+", log)

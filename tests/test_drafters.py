@@ -104,7 +104,7 @@ def test_adaptive_k_is_reported_in_stats():
 def test_only_an_explicit_draft_none_skips_the_embedded_default_draft():
     """Issue 12: the default draft stays loaded whatever the start-up drafter, so requests may ask for it."""
     for drafter in ("ngram", "self", "medusa", "staged"):
-        assert ServeSettings.load(None, {"drafter": drafter}).resolved_draft == "copy:bfloat16"
+        assert ServeSettings.load(None, {"drafter": drafter}).resolved_draft == "copy:auto"
         assert ServeSettings.load(None, {"drafter": drafter, "draft": "none"}).resolved_draft is None
 
 

@@ -103,6 +103,7 @@ CASES_FOR = {
     # where the draft's keys and values come from changes q, not how it is used: one case each
     "model-target-kv": ("2tok-topk",),
     "auto-target-kv": ("2tok-topk",),
+    "model-int8": ("2tok-topk",),  # a different q, used the same way
 }
 MATRIX = (
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 
@@ -71,12 +72,14 @@ def tiny_engine(
     eos: set[int] | None = None,
     max_model_len: int = 256,
     tokenizer_size: int | None = None,
+    draft_ref: str = "tiny-draft",
     **options,
 ) -> SpecEngine:
-    """An engine on in-process models; ``options`` are further EngineConfig fields (drafter, ...)."""
+    """An engine on in-process models; ``draft_ref`` is what the config calls the draft ("copy:int8"
+    quantizes it); ``options`` are further EngineConfig fields (drafter, ...)."""
     config = EngineConfig(
         target="tiny",
-        draft="tiny-draft" if draft is not None else None,
+        draft=draft_ref if draft is not None else None,
         num_draft_tokens=num_draft_tokens,
         device="cpu",
         dtype="float32",
@@ -97,6 +100,8 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
     # the draft copies the target's keys and values instead of reading the tokens itself
     "model-target-kv": (True, {"drafter": "model", "draft_kv": "target"}),
     "auto-target-kv": (True, {"drafter": "auto", "draft_kv": "target"}),
+    # the draft's products as int8 rows over bfloat16 activations (setup_engine makes it bfloat16)
+    "model-int8": (True, {"drafter": "model", "draft_ref": "copy:int8", "draft_kv": "own"}),
     "self": (False, {"drafter": "self", "self_layers": (0,)}),
     "staged-ngram-model": (True, {"drafter": "staged", "stages": ("ngram", "model")}),
     "staged-self-model": (True, {"drafter": "staged", "stages": ("self", "model"), "self_layers": (1,)}),
@@ -129,6 +134,8 @@ def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, 
     needs_draft, options = {**DRAFTER_SETUPS, **DEVICE_PATH_SETUPS}[setup]
     if options["drafter"] == "medusa":
         options = {**options, "medusa_heads": str(random_medusa_heads(target.config.hidden_size))}
+    if options.get("draft_ref") == "copy:int8":  # quantized from a bfloat16 copy, as the loader makes one
+        draft = copy.deepcopy(draft).to(torch.bfloat16)
     engine = tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
     if options["drafter"] == "auto":  # try another candidate every step: choices change mid-request
         engine.drafter("auto").probe_every = 1

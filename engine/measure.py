@@ -1,0 +1,94 @@
+"""What start-up measures of the models on this host, and the draft copy it picks from that.
+
+The auto drafter prices its candidates from these timings before any request has run; ``copy:auto``
+chooses which copy of the target drafts (bfloat16, or int8 rows with bfloat16 activations) by the
+same measures. Hosts differ: on one Zen 3 host a bfloat16 step cost 0.55x a float32 target step and
+int8 rows about the same as bfloat16; on a Zen 5 host (avx512_bf16, avx512_vnni) bfloat16 cost 0.95x
+the target and int8 rows 0.45x.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+
+from .adaptive import expected_tokens
+from .model import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+def read_seconds(model: CausalLM, num_tokens: int, repeats: int) -> float:
+    """The best of ``repeats`` timed forwards of ``model`` over ``num_tokens`` tokens from an empty cache."""
+    best = float("inf")
+    for _ in range(repeats):
+        model.cache.rollback(0)
+        started = time.perf_counter()
+        model.extend([0] * num_tokens)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        best = min(best, time.perf_counter() - started)
+    model.cache.rollback(0)
+    return best
+
+
+def prefill_seconds_per_token(model: CausalLM, num_tokens: int = 128) -> float:
+    """What reading a prompt costs ``model`` per token on this host (the first read pays first-call costs)."""
+    num_tokens = min(num_tokens, model.max_len)
+    return read_seconds(model, num_tokens, repeats=2) / num_tokens
+
+
+def extra_row_seconds(model: CausalLM, num_rows: int, one_row_seconds: float, repeats: int = 3) -> float:
+    """What each row beyond the first adds to a short forward of ``model`` (one row: ``one_row_seconds``)."""
+    extra = read_seconds(model, num_rows, repeats) - one_row_seconds
+    return max(extra, 0.0) / max(num_rows - 1, 1)
+
+
+@torch.inference_mode()
+def agreement(draft: CausalLM, target: CausalLM, num_tokens: int = 32) -> float:
+    """How often the draft model's proposals would pass, before any request: the draft writes
+    ``num_tokens`` greedily from the start token, the target reads them in one pass, and the mean
+    of sum(min(p, q)) over the positions (a draft token's acceptance probability, 1 - total
+    variation) is the answer."""
+    num_tokens = min(num_tokens, draft.max_len - 1, target.max_len - 1)
+    start = target.config.bos_token_id if isinstance(target.config.bos_token_id, int) else 0
+    draft.cache.rollback(0)
+    token_ids, draft_probs = [start], []
+    for _ in range(num_tokens):
+        probs = torch.softmax(draft.extend(token_ids[-1:])[-1].float(), dim=-1)  # [V]
+        draft_probs.append(probs)
+        token_ids.append(int(probs.argmax()))
+    target.cache.rollback(0)
+    target_probs = torch.softmax(target.extend(token_ids[:-1], num_tokens).float(), dim=-1)  # [T, V]
+    draft.cache.rollback(0)
+    target.cache.rollback(0)
+    overlap = torch.minimum(target_probs, torch.stack(draft_probs)).sum(-1)  # [T]
+    return float(overlap.mean())
+
+
+def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> tuple[CausalLM, str]:
+    """``copy:auto``: the bfloat16 copy of the target, or the same weights as int8 rows, whichever
+    promises more tokens per second at k = ``num_draft_tokens``: expected_tokens(agreement, k)
+    over k draft steps and a verify, each timed here. Off CPU (no int8 kernel there) the bfloat16
+    copy. Returns the chosen model and what it is made of ("bfloat16" or "int8")."""
+    if target.device.type != "cpu":
+        return bfloat16, "bfloat16"
+    int8 = CausalLM(copy.deepcopy(bfloat16.hf_model), bfloat16.max_len)
+    int8.quantize_int8()
+    max_rows = num_draft_tokens + 2
+    for model in (target, bfloat16):
+        model.plan_matmuls(min(max_rows, model.max_len))
+    k = max(num_draft_tokens, 1)
+    verify = read_seconds(target, k + 1, repeats=2)
+    rates, found = {}, {}
+    for form, model in (("bfloat16", bfloat16), ("int8", int8)):
+        read_seconds(model, 1, repeats=1)  # first-call costs
+        step, accepted = read_seconds(model, 1, repeats=3), agreement(model, target)
+        rates[form] = expected_tokens(accepted, k) / (k * step + verify)
+        found[form] = f"{form} (step {step * 1e3:.1f} ms, agreement {accepted:.3f}, {rates[form]:.1f} tok/s)"
+    chosen = max(rates, key=rates.__getitem__)
+    log.info("draft copy:auto chose %s over %s", found[chosen], next(v for f, v in found.items() if f != chosen))
+    return (int8 if chosen == "int8" else bfloat16), chosen

@@ -1,0 +1,85 @@
+"""Copies of the target as drafts: int8 rows (``copy:int8``) and the measured choice (``copy:auto``)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+
+import pytest
+import torch
+
+from engine.config import ConfigError, EngineConfig
+from engine.engine import Request, build_engine
+from engine.measure import choose_copy
+from engine.model import CausalLM, Int8Weight
+from engine.sampling import SamplingParams
+from tests.tiny import tiny_llama
+
+
+def test_int8_rows_hold_each_weight_within_half_a_step_of_its_row_scale():
+    weight = torch.randn(300, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # [O, I]
+    weight[7] = 0  # an all-zero row must not divide by zero
+    quantized = Int8Weight.quantize(weight, block_rows=128)  # three blocks, the last one short
+    assert quantized.values.dtype == torch.int8 and quantized.scales.shape == (300,)
+    scales = quantized.scales.float()[:, None]  # [O, 1]
+    restored = quantized.values.float() * scales  # [O, I]
+    assert (restored - weight.float()).abs().le(scales * 0.5).all()
+    largest = quantized.values.abs().amax(dim=1)[weight.float().abs().amax(dim=1) > 0]
+    assert largest.ge(126).all()  # the range is used (the scale is rounded up to the weight's dtype)
+    x = torch.randn(3, 64).to(torch.bfloat16)  # [N, I]
+    reference = x.float() @ restored.T  # [N, O]
+    assert torch.allclose(quantized.linear(x).float(), reference, rtol=0.02, atol=0.05)
+
+
+def test_an_int8_model_frees_its_float_weights_and_stays_close_to_bfloat16():
+    model = tiny_llama(seed=4, vocab_size=64, init=0.2).to(torch.bfloat16)
+    bfloat16 = CausalLM(copy.deepcopy(model), max_len=64)
+    int8 = CausalLM(model, max_len=64)
+    int8.quantize_int8()
+    assert int8.linear_weights() == [] and int8.describe_products() == "int8 rows"
+    assert int8.weight_bytes < 0.7 * bfloat16.weight_bytes  # int8 rows, not a second copy beside the bfloat16 one
+    assert int8.embed.weight.numel() > 0  # the table the tied LM head shares stays for lookups
+    prompt = [3, 9, 27, 17, 51, 25]
+    ours, theirs = int8.extend(prompt, len(prompt)).float(), bfloat16.extend(prompt, len(prompt)).float()  # [T, V]
+    assert not torch.equal(ours, theirs)  # really a different product
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.8
+    with pytest.raises(ConfigError, match="bfloat16 model on CPU"):
+        CausalLM(tiny_llama(seed=4, vocab_size=64), max_len=64).quantize_int8()  # float32
+
+
+def test_a_copy_names_one_of_the_forms():
+    with pytest.raises(ConfigError, match="copy:bfloat16, copy:float16, copy:float32|copy:int8, copy:auto"):
+        EngineConfig(draft="copy:int4")
+    assert (
+        EngineConfig(draft="copy:int8").draft_copy == "int8" and EngineConfig(draft="copy:int8").draft_reads_target_kv
+    )
+    assert EngineConfig(draft="some/model").draft_copy is None
+
+
+def test_copy_auto_times_both_copies_and_keeps_the_faster(caplog):
+    """The choice is by measured tokens per second at k; the log names both, with what each measured."""
+    target = CausalLM(tiny_llama(seed=5, vocab_size=64, init=0.2), max_len=64)
+    bfloat16 = CausalLM(copy.deepcopy(target.hf_model).to(torch.bfloat16), max_len=64)
+    with caplog.at_level(logging.INFO, logger="engine.measure"):
+        chosen, form = choose_copy(target, bfloat16, num_draft_tokens=3)
+    line = next(r.getMessage() for r in caplog.records if "copy:auto chose" in r.getMessage())
+    rates = {name: float(rate) for name, rate in re.findall(r"(int8|bfloat16) \(step .*?, ([\d.]+) tok/s\)", line)}
+    assert set(rates) == {"int8", "bfloat16"} and form == max(rates, key=rates.__getitem__)
+    assert line.startswith(f"draft copy:auto chose {form} ")
+    assert (chosen.int8_bytes > 0) == (form == "int8") and (chosen is bfloat16) == (form == "bfloat16")
+
+
+def test_an_engine_drafting_with_copy_auto_says_which_copy_and_keeps_the_targets_greedy_output():
+    target = tiny_llama(seed=6, vocab_size=96, init=0.2)
+    config = EngineConfig(draft="copy:auto", drafter="model", device="cpu", dtype="float32", max_model_len=128)
+    engine = build_engine(config, target, copy.deepcopy(target).to(torch.bfloat16), set())
+    assert engine.config.draft in ("copy:bfloat16", "copy:int8")
+    engine.warm_up()
+    alone = build_engine(
+        EngineConfig(device="cpu", dtype="float32", max_model_len=128, draft=None), target, None, set()
+    )
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    prompt = [4, 8, 15, 16, 23, 42]
+    drafted = [t for o in engine.generate(Request("a", prompt, params)) for t in o.token_ids]
+    assert drafted == [t for o in alone.generate(Request("b", prompt, params)) for t in o.token_ids]
