@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import sys
 from dataclasses import dataclass
 
@@ -40,8 +42,21 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
             bar.update(1)
 
         models = load(config, progress)
+        tokenizer, name = models.tokenizer, models.target_name
         eos = eos_token_ids(models.target, models.tokenizer)
         engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer))
         progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
         progress(engine.warm_up().describe())
-    return LoadedEngine(engine, models.tokenizer, models.target_name)
+    del models  # the draft copy that copy:auto did not keep, among what start-up no longer needs
+    release_freed_memory()
+    return LoadedEngine(engine, tokenizer, name)
+
+
+def release_freed_memory() -> None:
+    """Hand memory that start-up freed back to the system. glibc keeps freed heap pages mapped:
+    after copy:auto dropped the bfloat16 copy of the embedded model, the server held about 430 MB
+    more than it used (resident 1,977 MB, 1,547 MB after ``malloc_trim``)."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
