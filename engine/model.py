@@ -24,6 +24,8 @@ from .kv import KVCache
 from .matmul import MatmulPlan
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# the linear layers each layer runs as one product (``fuse_linears``): attention's, then the MLP's
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
 class UnsupportedModel(ConfigError):
@@ -50,8 +52,8 @@ class CausalLM:
         param = next(hf_model.parameters())
         self.device, self.dtype = param.device, param.dtype
         for layer in self.layers:  # one matrix product for q, k, v and one for gate, up (fewer kernels)
-            fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv")
-            fuse_linears(layer.mlp, ("gate_proj", "up_proj"), "gate_up")
+            for module, (fused, names) in zip((layer.self_attn, layer.mlp), FUSED.items(), strict=True):
+                fuse_linears(module, names, fused)
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.num_heads = config.num_attention_heads
@@ -163,11 +165,11 @@ class CausalLM:
             setattr(module, f"{name}_int8", Int8Weight.quantize(weight))
             if weight.data_ptr() != embedding:
                 weight.data = weight.new_empty(0)  # views of a fused weight: freed with the last of them
-        for layer in self.layers:  # the parts of the fused weights, freed above as views
-            for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                module.weight.data = module.weight.new_empty(0)
-            for module in (layer.mlp.gate_proj, layer.mlp.up_proj):
-                module.weight.data = module.weight.new_empty(0)
+        for layer in self.layers:  # the parts of the fused weights, views of what was freed above
+            for module, names in zip((layer.self_attn, layer.mlp), FUSED.values(), strict=True):
+                for name in names:
+                    part = getattr(module, name).weight
+                    part.data = part.new_empty(0)
         self.matmul = MatmulPlan()
 
     @property
