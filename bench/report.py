@@ -177,7 +177,9 @@ def summary(report: dict, full_tables: str) -> str:
     lines = [
         f"Decode tokens/s, {report['model']}, greedy, {report['settings']['max_tokens']} new tokens, on "
         f"{cpu['model']} (family {cpu['family']}, flags {', '.join(cpu['flags']) or 'none'}, {cpu['cpus']} CPUs, "
-        f"{report['machine']['read_bandwidth_gb_s']} GB/s read). Ratios hold within this run only.",
+        f"{report['machine']['read_bandwidth_gb_s']} GB/s read), specserve drafting with "
+        f"{report.get('server_draft') or report['settings'].get('draft', 'its default draft')}. "
+        "Ratios hold within this run only.",
         "",
         "| " + " | ".join(head) + " |",
         "|---" * len(head) + "|",

@@ -199,6 +199,7 @@ class ServerRunner:
         self.rss = PeakRSS(self.process.pid)
         self.client = httpx.Client(base_url=self.base, timeout=600)
         self._startup_timeout = startup_timeout
+        self.draft: str | None = None  # what /v1/models says the server loaded, once it is ready
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self._startup_timeout
@@ -207,6 +208,7 @@ class ServerRunner:
                 raise RuntimeError(f"the server exited with {self.process.returncode}; see {self._log.name}")
             try:
                 if self.client.get("/health").status_code == 200:
+                    self.draft = self.client.get("/v1/models").json()["data"][0].get("draft")
                     return
             except httpx.TransportError:
                 pass

@@ -140,6 +140,7 @@ def main() -> None:
         "weight_bytes": engine.target.weight_bytes,
         "bound_ms_per_forward": round(bound_s * 1e3, 2),
         "settings": {k: getattr(args, k) for k in ("draft", "num_draft_tokens", "max_tokens", "repeats", "quick")},
+        "server_draft": server.draft,  # what the server loaded (copy:auto's choice)
         "date": time.strftime("%Y-%m-%d"),
         **summarise(configs, runs, bound_s),
     }

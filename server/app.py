@@ -95,6 +95,7 @@ def _card(request: Request) -> ModelCard:
         drafters=[*engine.runnable_drafters, "none"],
         default_drafter=engine.default_drafter or "none",
         drafter_tokens_per_s=engine.speeds.tokens_per_second(),
+        draft=engine.config.draft if engine.draft is not None else None,
     )
 
 

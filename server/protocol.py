@@ -318,6 +318,8 @@ class ModelCard(BaseModel):
     default_drafter: str = "none"
     # decode tokens/s by drafter, measured on this server since it started (drafters used for 32+ tokens)
     drafter_tokens_per_s: dict[str, float] = Field(default_factory=dict)
+    # the draft model loaded: a ref, or the copy of the target it is ("copy:int8" where copy:auto chose it); None: none
+    draft: str | None = None
 
 
 class ModelList(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -142,4 +143,7 @@ def test_the_log_has_plain_lines_and_load_times(default_server):
     assert "\r" not in log and "de-quantizing" not in log and "Loading weights" not in log  # no library bars
     assert re.search(r"loaded SmolLM2-135M-Instruct: .* in \d+\.\d s", log)
     assert re.search(r"loaded draft copy:auto: .* in \d+\.\d s", log)
-    assert re.search(r"draft copy:auto chose (int8|bfloat16) \(step [\d.]+ ms, agreement [\d.]+", log)
+    chosen = re.search(r"draft copy:auto chose (int8|bfloat16) \(step [\d.]+ ms, agreement [\d.]+", log)
+    assert chosen
+    card = httpx.get(f"{default_server.v1}/models").json()["data"][0]
+    assert card["draft"] == f"copy:{chosen.group(1)}"  # the card names the copy that was chosen

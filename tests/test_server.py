@@ -26,6 +26,7 @@ def sse_events(server, path: str, body: dict) -> list[str]:
 
 def test_models_lists_the_served_model(client):
     assert [model.id for model in client.models.list().data] == ["tiny"]
+    assert client.models.list().data[0].model_extra["draft"].endswith("draft")  # the tiny draft's folder
 
 
 def test_completion_with_the_sdk_reports_speculative_usage(client):
