@@ -98,6 +98,9 @@ def main() -> None:
         results_dir / f"{args.name}-server.log",
     )
     try:
+        # The server times its steps and its draft copies at start-up: loading models here meanwhile
+        # would make those timings (and what they decide) the ones of a busy host.
+        server.wait_ready()
         # HF assisted drafts with a bfloat16 copy, its best; the in-process engine with args.draft,
         # built from its own copy (an int8 draft frees the floating-point weights it quantizes)
         models = load(EngineConfig(draft=HF_ASSISTANT, max_model_len=4096))
@@ -115,7 +118,6 @@ def main() -> None:
             runners["llama.cpp"] = LlamaCppRunner(embedded_gguf(), torch.get_num_threads())
         else:
             print("llama.cpp: llama-cpp-python is not importable; no anchor row", file=sys.stderr)
-        server.wait_ready()
         bandwidths.append(measure_read_bandwidth())  # again with everything loaded and the server idle
         configs = configurations(args)
         runs = measure(configs, runners, prompts, models.tokenizer, args)

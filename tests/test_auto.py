@@ -256,3 +256,18 @@ def test_acceptance_pools_the_steps_of_a_request():
     for accepted in (3, 4, 4, 4):
         auto._observe("model", accepted, 4)
     assert auto._request.alpha["model"] > 0.8
+
+
+def test_a_start_up_draft_cost_taken_on_a_busy_host_is_replaced_by_the_next_probe():
+    """A draft on the target's keys and values reads one token whatever ran before, so its probes
+    time it: a start-up timing that came out far too high (a host busy while the server warmed
+    up) must not keep the draft model out for the rest of the server's life."""
+    target = tiny_llama(seed=3, vocab_size=96, init=0.2)
+    engine = tiny_engine(target, perturbed_copy(target, 0.05, seed=1), drafter="auto", draft_kv="target")
+    engine.warm_up()
+    auto = engine.drafter("auto")
+    measured = auto.draft_costs["model"].draft
+    auto.draft_costs["model"].draft = 1000 * measured  # as if start-up had timed it under heavy load
+    outputs = list(engine.generate(Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=48, temperature=0.0))))
+    assert outputs[-1].stats.to_dict()["steps_by_drafter"].get("model", 0) >= 1  # a probe ran
+    assert auto.draft_costs["model"].draft < 100 * measured  # and its timing replaced the start-up one

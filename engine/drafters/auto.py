@@ -160,7 +160,12 @@ class AutoDrafter:
             return
         costs = self.draft_costs.get(choice.name)  # None for text matching: its offer is made every step
         if costs is not None:
-            if choice.steady:  # a step that caught up first would price drafting at prefill cost
+            # A step that caught up first would price drafting at prefill cost. One that read only the
+            # newest token costs a step's drafting whatever ran before it: so a draft on the target's
+            # keys and values (always one token) is timed by its probes too, and a start-up timing
+            # taken on a busy host is replaced by the next probe instead of keeping the draft out for
+            # good. A request's first step is not timed: there the target reads the prompt for it.
+            if choice.steady or (choice.lag <= 1 and self._request.step > 1):
                 costs.observe(max(choice.drafted, 1), choice.draft_seconds, verify_seconds)
             elif costs.draft is not None and choice.lag > choice.num_draft_tokens + 2:
                 reading = max(choice.draft_seconds - choice.drafted * costs.draft, 0.0) / choice.lag
