@@ -72,6 +72,7 @@ class CausalLM:
         self.positions = positions[0]  # [S] 0..S-1, sliced for the positions of new tokens
         self.runner = None  # a runner.GraphRunner replaying decode-shaped forwards; None: always eager
         self.matmul = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
+        self.int8 = False  # products through int8 rows (``quantize_int8``), not the plan
 
     @property
     def weight_bytes(self) -> int:
@@ -171,6 +172,7 @@ class CausalLM:
                     part = getattr(module, name).weight
                     part.data = part.new_empty(0)
         self.matmul = MatmulPlan()
+        self.int8 = True
 
     @property
     def int8_bytes(self) -> int:
@@ -190,15 +192,14 @@ class CausalLM:
 
     def describe_products(self) -> str:
         """How this model's products run: "int8 rows", or what its ``MatmulPlan`` chose."""
-        return "int8 rows" if self.int8_bytes else self.matmul.describe()
+        return "int8 rows" if self.int8 else self.matmul.describe()
 
     def _product(self, x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
         """x [..., N, I] times ``module``'s weight ``name`` (and its bias, if any) -> [..., N, O]:
         int8 rows where ``quantize_int8`` made them, else in the ``MatmulPlan``'s formulation."""
         bias = getattr(module, name.replace("weight", "bias"), None)
-        quantized = getattr(module, f"{name}_int8", None)
-        if quantized is not None:
-            out = quantized.linear(x)
+        if self.int8:  # looked up only here: a missing attribute costs nn.Module about 1 us a product
+            out = getattr(module, f"{name}_int8").linear(x)
             return out if bias is None else out + bias
         return self.matmul.linear(x, getattr(module, name), bias)
 
