@@ -18,7 +18,6 @@ BLAS paths do (as the 1-row and the k+1-row paths always did).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,17 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
-
 Key = tuple[int, int, torch.dtype]  # (out features, in features, dtype) of a weight
 LONG = 0  # the row-count slot of inputs longer than max_rows
 LONG_ROWS = 64  # the row count the LONG slot is measured at
 GROUP_BYTES = 48 * 2**20  # weights timed per shape: more than a CPU's last-level cache holds
-# The share of its threads' time a measurement must get to count as taken on an idle host. On the
-# Zen 5 host an idle measurement got 0.93-0.94; beside a 2-thread matrix loop 0.50, and its plan took
-# the weight-first product for the target's 1-row products, a 1-token forward 28.1 ms instead of 18.3.
-QUIET_SHARE = 0.8
-MIN_SHARE_SECONDS = 0.1  # a shorter measurement (a tiny model's) is taken as quiet
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -83,8 +75,6 @@ class MatmulPlan:
     max_rows: int = 0
     choices: dict[tuple[Key, int], str] = field(default_factory=dict)
     timings_us: dict[tuple[Key, int], dict[str, float]] = field(default_factory=dict)  # what the choice rests on
-    # the CPU time the measurement got over its wall time and threads: well under 1, the host was busy
-    cpu_share: float = 1.0
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., N, I] -> [..., N, O]."""
@@ -118,7 +108,6 @@ class MatmulPlan:
             if sum(w.nbytes for w in group) < GROUP_BYTES:
                 group.append(weight)
         plan = cls(max_rows)
-        wall_started, cpu_started = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             for key, group in groups.items():
                 for slot in [*range(1, max_rows + 1), LONG]:
@@ -139,32 +128,6 @@ class MatmulPlan:
                                 best[name] = min(best[name], time.perf_counter() - started)
                     plan.timings_us[key, slot] = {name: seconds * 1e6 for name, seconds in best.items()}
                     plan.choices[key, slot] = min(best, key=best.__getitem__)
-        wall = time.perf_counter() - wall_started
-        if wall >= MIN_SHARE_SECONDS:  # over a few milliseconds the CPU clock says little
-            plan.cpu_share = (time.process_time() - cpu_started) / wall / torch.get_num_threads()
-        return plan
-
-    @classmethod
-    def measure_when_quiet(
-        cls, weights: Iterable[torch.Tensor], max_rows: int, attempts: int = 3, pause_s: float = 1.0
-    ) -> MatmulPlan:
-        """``measure``, again after a pause while the host looks busy (the measurement got less than
-        QUIET_SHARE of its threads' time), up to ``attempts`` times; the quietest plan is kept. A
-        plan is measured once per server, so one taken while other work loaded the CPU would
-        otherwise stay until a restart. A plan still taken on a busy host is logged as such."""
-        weights = list(weights)
-        plan = cls.measure(weights, max_rows)
-        for _ in range(attempts - 1):
-            if plan.cpu_share >= QUIET_SHARE:
-                break
-            time.sleep(pause_s)
-            plan = max(plan, cls.measure(weights, max_rows), key=lambda candidate: candidate.cpu_share)
-        if plan.cpu_share < QUIET_SHARE:
-            log.warning(
-                "the host was busy while the matmul plan was measured (its threads got %.0f%% of the CPU): "
-                "products may run slower than they could until a restart on an idle host",
-                100 * plan.cpu_share,
-            )
         return plan
 
     def describe(self) -> str:
@@ -172,8 +135,7 @@ class MatmulPlan:
         if not self.choices:
             return "F.linear"
         won = {name: sum(choice == name for choice in self.choices.values()) for name in FORMULATIONS}
-        text = ", ".join(f"{name} {count}/{len(self.choices)}" for name, count in won.items() if count)
-        return text + (f", on a busy host (CPU share {self.cpu_share:.2f})" if self.cpu_share < QUIET_SHARE else "")
+        return ", ".join(f"{name} {count}/{len(self.choices)}" for name, count in won.items() if count)
 
 
 def _key(weight: torch.Tensor) -> Key:

@@ -187,7 +187,7 @@ class CausalLM:
         rows (decode and verify shapes) and use it from now on (a plan already measured that far
         stays). Elsewhere products stay F.linear."""
         if self.device.type == "cpu" and self.matmul.max_rows < max_rows:
-            self.matmul = MatmulPlan.measure_when_quiet(self.linear_weights(), max_rows)
+            self.matmul = MatmulPlan.measure(self.linear_weights(), max_rows)
         return self.matmul
 
     def describe_products(self) -> str:

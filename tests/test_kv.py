@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-import os
-import subprocess
-import sys
-import time
-
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.engine import Request
-from engine.matmul import FORMULATIONS, LONG, QUIET_SHARE, MatmulPlan
+from engine.matmul import FORMULATIONS, LONG, MatmulPlan
 from engine.model import CausalLM
 from engine.sampling import SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
@@ -149,26 +143,3 @@ def test_copy_from_takes_another_caches_positions_in_its_own_dtype():
     assert not torch.equal(draft.cache.values[:, :, :, :2], target.cache.values[:, :, :, :2].to(torch.bfloat16))
     draft.cache.copy_from(target.cache, 3, [1, 2, 3])  # nothing past its own length: unchanged
     assert draft.cache.length == 5
-
-
-def test_a_plan_measured_on_a_busy_host_is_measured_again_and_said_to_be(caplog):
-    """A plan is measured once per server: one taken while other work loads every core (here two
-    busy loops) is measured again after a pause and, the host staying busy, logged and described
-    as taken on a busy host (such a plan once cost the embedded target's 1-token forward 53%)."""
-    weights = [torch.randn(2048, 1024) for _ in range(6)] + [torch.randn(1024, 2048) for _ in range(6)]
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    try:
-        time.sleep(0.5)
-        started = time.perf_counter()
-        with caplog.at_level(logging.WARNING, logger="engine.matmul"):
-            plan = MatmulPlan.measure_when_quiet(weights, 4, attempts=2, pause_s=0.3)
-        seconds = time.perf_counter() - started
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
-    assert plan.cpu_share < QUIET_SHARE and seconds >= 0.3  # measured twice, with the pause between
-    assert "on a busy host (CPU share" in plan.describe()
-    assert any("host was busy while the matmul plan was measured" in r.getMessage() for r in caplog.records)
-    quiet = MatmulPlan.measure([torch.randn(64, 32)], 2)  # a few milliseconds: no share to judge by
-    assert quiet.cpu_share == 1.0 and "busy" not in quiet.describe()
