@@ -21,6 +21,7 @@ Writes bench/results/<name>.json, .png and .md (every table) and prints the summ
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -102,12 +103,13 @@ def main() -> None:
         # would make those timings (and what they decide) the ones of a busy host.
         server.wait_ready()
         # HF assisted drafts with a bfloat16 copy, its best; the in-process engine with args.draft,
-        # built from its own copy (an int8 draft frees the floating-point weights it quantizes)
+        # built from its own copies (an engine owns its models: packing or quantizing frees the
+        # weights as the checkpoint held them, which HF's own runs here still need)
         models = load(EngineConfig(draft=HF_ASSISTANT, max_model_len=4096))
         engine_config = EngineConfig(draft=args.draft, num_draft_tokens=args.num_draft_tokens, max_model_len=4096)
-        draft = models.draft if args.draft == HF_ASSISTANT else load_draft(engine_config, models.target)
+        draft = copy.deepcopy(models.draft) if args.draft == HF_ASSISTANT else load_draft(engine_config, models.target)
         eos = eos_token_ids(models.target, models.tokenizer)
-        engine = build_engine(engine_config, models.target, draft, eos)
+        engine = build_engine(engine_config, copy.deepcopy(models.target), draft, eos)
         runners = {
             "hf": HFRunner(models.target, models.draft, models.tokenizer.eos_token_id),
             "engine": EngineRunner(engine),

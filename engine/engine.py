@@ -444,7 +444,9 @@ def build_engine(
     eos_token_ids: set[int],
     tokenizer_size: int | None = None,
 ) -> SpecEngine:
-    """Wrap loaded Hugging Face models: caches are sized once, here, and reused for every request."""
+    """Wrap loaded Hugging Face models: caches are sized once, here, and reused for every request.
+    The engine owns them from now on: on CPU its warm-up may hold their weights in another form and
+    free the modules' own (``CausalLM.use_plan``), so they are not for calling elsewhere after."""
     limit = getattr(target_model.config, "max_position_embeddings", 4096)
     max_len = config.max_model_len or min(limit, 4096)
     target = CausalLM(target_model, max_len)

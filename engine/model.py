@@ -21,7 +21,7 @@ from torch import nn
 
 from .config import ConfigError
 from .kv import KVCache
-from .matmul import MatmulPlan
+from .matmul import MatmulPlan, PackedWeight
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # the linear layers each layer runs as one product (``fuse_linears``): attention's, then the MLP's
@@ -33,7 +33,8 @@ class UnsupportedModel(ConfigError):
 
 
 class CausalLM:
-    """One model, its KV cache, and ``extend``: feed tokens, get logits."""
+    """One model, its KV cache, and ``extend``: feed tokens, get logits. It owns ``hf_model``:
+    ``use_plan`` and ``quantize_int8`` free the weights they hold in another form."""
 
     def __init__(self, hf_model: nn.Module, max_len: int) -> None:
         config = hf_model.config
@@ -72,11 +73,14 @@ class CausalLM:
         self.positions = positions[0]  # [S] 0..S-1, sliced for the positions of new tokens
         self.runner = None  # a runner.GraphRunner replaying decode-shaped forwards; None: always eager
         self.matmul = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
-        self.int8 = False  # products through int8 rows (``quantize_int8``), not the plan
+        # products whose weight is held in another form, by (id(module), weight name): int8 rows
+        # (``quantize_int8``), or packed by oneDNN where the plan chose it (``use_plan``)
+        self.prepared: dict[tuple[int, str], Int8Weight | PackedWeight] = {}
+        self.int8 = False  # every product through int8 rows, none through the plan
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.hf_model.parameters()) + self.int8_bytes
+        return sum(p.nbytes for p in self.hf_model.parameters()) + sum(w.nbytes for w in self.prepared.values())
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int] | torch.Tensor, num_logits: int = 1) -> torch.Tensor:
@@ -151,8 +155,15 @@ class CausalLM:
         return found
 
     def linear_weights(self) -> list[torch.Tensor]:
-        """The floating-point weights a forward multiplies by (the ones ``plan_matmuls`` times)."""
-        return [getattr(module, name) for module, name in self.products() if not hasattr(module, f"{name}_int8")]
+        """The floating-point weights a forward multiplies by, as the checkpoint holds them (the
+        ones ``plan_matmuls`` times); none held in another form."""
+        return [getattr(module, name) for module, name in self.products() if (id(module), name) not in self.prepared]
+
+    def dense_weight(self, module: nn.Module, name: str) -> torch.Tensor:
+        """A product's weight [O, I] as a plain tensor, wherever it is held packed (int8 rows: the
+        quantized model has no other)."""
+        held = self.prepared.get((id(module), name))
+        return held.dense() if isinstance(held, PackedWeight) else getattr(module, name)
 
     def quantize_int8(self) -> None:
         """Hold every product's weight as int8 rows with one scale each (``Int8Weight``), and free
@@ -160,35 +171,36 @@ class CausalLM:
         different model, so only for drafts: verification keeps the output exactly the target's."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             raise ConfigError(f"int8 weights need a bfloat16 model on CPU, got {self.dtype} on {self.device}")
-        embedding = self.embed.weight.data_ptr()
+        self.use_plan(MatmulPlan())
         for module, name in self.products():
-            weight = getattr(module, name)
-            setattr(module, f"{name}_int8", Int8Weight.quantize(weight))
-            if weight.data_ptr() != embedding:
-                weight.data = weight.new_empty(0)  # views of a fused weight: freed with the last of them
-        for layer in self.layers:  # the parts of the fused weights, views of what was freed above
-            for module, names in zip((layer.self_attn, layer.mlp), FUSED.values(), strict=True):
-                for name in names:
-                    part = getattr(module, name).weight
-                    part.data = part.new_empty(0)
-        self.matmul = MatmulPlan()
+            self.prepared[id(module), name] = Int8Weight.quantize(getattr(module, name), self._bias(module, name))
+            self._release(module, name)
         self.int8 = True
-
-    @property
-    def int8_bytes(self) -> int:
-        return sum(
-            getattr(module, f"{name}_int8").nbytes
-            for module, name in self.products()
-            if hasattr(module, f"{name}_int8")
-        )
 
     def plan_matmuls(self, max_rows: int) -> MatmulPlan:
         """On CPU, measure which product formulation is fastest for each weight shape at 1..max_rows
         rows (decode and verify shapes) and use it from now on (a plan already measured that far
         stays). Elsewhere products stay F.linear."""
-        if self.device.type == "cpu" and self.matmul.max_rows < max_rows:
-            self.matmul = MatmulPlan.measure(self.linear_weights(), max_rows)
+        if self.device.type == "cpu" and not self.int8 and self.matmul.max_rows < max_rows:
+            self.use_plan(MatmulPlan())  # measured on the weights as the checkpoint holds them
+            self.use_plan(MatmulPlan.measure(self.linear_weights(), max_rows))
         return self.matmul
+
+    def use_plan(self, plan: MatmulPlan) -> None:
+        """Run products as ``plan`` says. A weight it packs is held packed and its dense copy freed
+        (the embedding table stays, also where the LM head shares it); a packed weight it does not
+        pack is made dense again, exactly as it was."""
+        for module, name in self.products():
+            held = self.prepared.get((id(module), name))
+            if isinstance(held, Int8Weight):
+                raise ConfigError("an int8 model's products run through its int8 rows, not a matmul plan")
+            weight = held if held is not None else getattr(module, name)
+            if held is None and plan.packs(weight):
+                self.prepared[id(module), name] = PackedWeight.pack(weight, self._bias(module, name), plan.max_rows)
+                self._release(module, name)
+            elif held is not None and not plan.packs(weight):
+                self._restore(module, name, self.prepared.pop((id(module), name)).dense())
+        self.matmul = plan
 
     def describe_products(self) -> str:
         """How this model's products run: "int8 rows", or what its ``MatmulPlan`` chose."""
@@ -196,12 +208,37 @@ class CausalLM:
 
     def _product(self, x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
         """x [..., N, I] times ``module``'s weight ``name`` (and its bias, if any) -> [..., N, O]:
-        int8 rows where ``quantize_int8`` made them, else in the ``MatmulPlan``'s formulation."""
-        bias = getattr(module, name.replace("weight", "bias"), None)
-        if self.int8:  # looked up only here: a missing attribute costs nn.Module about 1 us a product
-            out = getattr(module, f"{name}_int8").linear(x)
-            return out if bias is None else out + bias
-        return self.matmul.linear(x, getattr(module, name), bias)
+        through the form ``prepared`` holds it in, else in the ``MatmulPlan``'s formulation."""
+        held = self.prepared.get((id(module), name)) if self.prepared else None
+        if held is not None:
+            return held.linear(x)
+        return self.matmul.linear(x, getattr(module, name), self._bias(module, name))
+
+    @staticmethod
+    def _bias(module: nn.Module, name: str) -> torch.Tensor | None:
+        return getattr(module, name.replace("weight", "bias"), None)
+
+    def _release(self, module: nn.Module, name: str) -> None:
+        """Free a product's floating-point weight, now held in another form: the tensor and, for a
+        fused weight, the layers' weights that are views of it. The embedding table stays."""
+        weight = getattr(module, name)
+        if weight.data_ptr() == self.embed.weight.data_ptr():
+            return
+        weight.data = weight.new_empty(0)
+        for part in FUSED.get(name.removesuffix("_weight"), ()):
+            getattr(module, part).weight.data = weight.new_empty(0)
+
+    def _restore(self, module: nn.Module, name: str, dense: torch.Tensor) -> None:
+        """Undo ``_release`` with the weight ``dense`` [O, I]: the fused layers' weights are views again."""
+        weight = getattr(module, name)
+        if weight.data_ptr() == self.embed.weight.data_ptr():
+            return
+        weight.data = dense
+        start = 0
+        parts = FUSED.get(name.removesuffix("_weight"), ())
+        for part, rows in zip(parts, getattr(module, name.replace("weight", "rows"), ()), strict=True):
+            getattr(module, part).weight.data = dense[start : start + rows]
+            start += rows
 
     def _input(self, token_ids: list[int] | torch.Tensor, start: int) -> torch.Tensor:
         num_new = len(token_ids) if isinstance(token_ids, list) else token_ids.shape[0]
@@ -266,9 +303,10 @@ class Int8Weight:
 
     values: torch.Tensor  # [O, I] int8
     scales: torch.Tensor  # [O] in the activations' dtype
+    bias: torch.Tensor | None = None  # [O]
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, block_rows: int = 4096) -> Int8Weight:
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, block_rows: int = 4096) -> Int8Weight:
         """weight [O, I] -> its int8 rows, each scaled by its largest magnitude over 127 (a block of
         rows at a time, so an LM head needs no float32 copy of itself)."""
         values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)  # [O, I]
@@ -281,7 +319,7 @@ class Int8Weight:
             scale = torch.where(scale.float() * 127 < largest, torch.nextafter(scale, scale.new_tensor(1e30)), scale)
             values[start : start + block_rows] = torch.round(rows / scale.float()[:, None]).clamp(-127, 127)
             scales[start : start + block_rows] = scale
-        return cls(values, scales)
+        return cls(values, scales, bias)
 
     @property
     def nbytes(self) -> int:
@@ -290,7 +328,8 @@ class Int8Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., N, I] -> [..., N, O]."""
         rows = x.reshape(-1, x.shape[-1])  # [N, I]
-        return torch._weight_int8pack_mm(rows, self.values, self.scales).view(*x.shape[:-1], self.values.shape[0])
+        out = torch._weight_int8pack_mm(rows, self.values, self.scales).view(*x.shape[:-1], self.values.shape[0])
+        return out if self.bias is None else out + self.bias
 
 
 def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
@@ -313,6 +352,7 @@ def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
         start += rows
     setattr(module, f"{fused}_weight", weight)
     setattr(module, f"{fused}_bias", bias)
+    setattr(module, f"{fused}_rows", tuple(linear.weight.shape[0] for linear in linears))  # how to split it again
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

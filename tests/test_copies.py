@@ -67,7 +67,7 @@ def test_copy_auto_times_both_copies_and_keeps_the_faster(caplog):
     rates = {name: float(rate) for name, rate in re.findall(r"(int8|bfloat16) \(step .*?, ([\d.]+) tok/s\)", line)}
     assert set(rates) == {"int8", "bfloat16"} and form == max(rates, key=rates.__getitem__)
     assert line.startswith(f"draft copy:auto chose {form} ")
-    assert (chosen.int8_bytes > 0) == (form == "int8") and (chosen is bfloat16) == (form == "bfloat16")
+    assert chosen.int8 == (form == "int8") and (chosen is bfloat16) == (form == "bfloat16")
 
 
 def test_an_engine_drafting_with_copy_auto_says_which_copy_and_keeps_the_targets_greedy_output():

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.engine import Request
-from engine.matmul import FORMULATIONS, LONG, MatmulPlan
+from engine.matmul import FORMULATIONS, LONG, PACKED, MatmulPlan, can_pack
 from engine.model import CausalLM
 from engine.sampling import SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
@@ -83,18 +85,41 @@ def test_unrelated_prompt_reuses_nothing():
     assert outputs[-1].cached_tokens == 0
 
 
-@pytest.mark.parametrize("formulation", sorted(FORMULATIONS))
+@pytest.mark.parametrize("formulation", sorted((*FORMULATIONS, PACKED)))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_matmul_formulation_matches_hugging_face(formulation, dtype):
     """Chunks of 1, 3 and 4 rows take the plan's small-row slots, 22 rows its LONG slot."""
     model = tiny_llama(seed=0, vocab_size=50).to(getattr(torch, dtype))
     ids = torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    reference = reference_logits(model, ids).float()  # before packing frees the model's own weights
     lm = CausalLM(model, max_len=64)
-    lm.matmul = MatmulPlan.uniform(formulation, 4, lm.linear_weights())
+    lm.use_plan(MatmulPlan.uniform(formulation, 4, lm.linear_weights()))
+    assert bool(lm.prepared) == (formulation == PACKED)
     chunks = [ids[:1], ids[1:4], ids[4:8], ids[8:]]
     ours = torch.cat([lm.extend(chunk, len(chunk)) for chunk in chunks]).float()
-    reference = reference_logits(model, ids).float()
     assert torch.allclose(ours, reference, atol=1e-5 if dtype == "float32" else 0.05)
+
+
+def test_packed_weights_replace_the_dense_ones_and_come_back_exactly():
+    model = tiny_llama(seed=0, vocab_size=50)
+    lm = CausalLM(model, max_len=64)
+    dense = {(id(module), name): getattr(module, name).clone() for module, name in lm.products()}
+    before, tied = lm.weight_bytes, lm.lm_head.weight.data_ptr() == lm.embed.weight.data_ptr()
+    lm.use_plan(MatmulPlan.uniform(PACKED, 4, lm.linear_weights()))
+    assert len(lm.prepared) == len(dense) and lm.linear_weights() == []
+    # the dense copies are freed (an embedding table the LM head shares stays), so memory holds one copy
+    assert all(module.q_proj.weight.numel() == 0 for module in (layer.self_attn for layer in lm.layers))
+    assert lm.weight_bytes == before + tied * lm.prepared[id(lm.lm_head), "weight"].nbytes
+    assert torch.equal(lm.dense_weight(lm.lm_head, "weight"), dense[id(lm.lm_head), "weight"])
+    lm.use_plan(MatmulPlan())
+    assert not lm.prepared and lm.weight_bytes == before
+    for module, name in lm.products():
+        assert torch.equal(getattr(module, name), dense[id(module), name])
+    attn = lm.layers[0].self_attn  # the layers' weights are views of the fused one again
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert torch.equal(
+        attn.k_proj.weight, dense[id(attn), "qkv_weight"][attn.q_proj.weight.shape[0] :][: attn.k_proj.weight.shape[0]]
+    )
 
 
 def test_the_measured_plan_covers_every_weight_shape_and_row_count():
@@ -103,10 +128,17 @@ def test_the_measured_plan_covers_every_weight_shape_and_row_count():
     plan = lm.plan_matmuls(3)
     shapes = {(w.shape[0], w.shape[1], w.dtype) for w in lm.linear_weights()}
     assert set(plan.choices) == {(shape, slot) for shape in shapes for slot in (1, 2, 3, LONG)}
-    assert all(plan.choices[shape, LONG] == "linear" for shape in shapes)  # float32: nothing else can win there
-    assert all(set(plan.timings_us[shape, 1]) == {"linear", "weight_first", "padded"} for shape in shapes)
-    assert all(set(plan.timings_us[shape, 2]) == {"linear", "weight_first"} for shape in shapes)
-    assert "/" in plan.describe() and lm.matmul is plan
+    packed = [PACKED] if can_pack(torch.float32, lm.device) else []
+    assert all(set(plan.timings_us[shape, 1]) == {"linear", "weight_first", "padded", *packed} for shape in shapes)
+    assert all(set(plan.timings_us[shape, 2]) == {"linear", "weight_first", *packed} for shape in shapes)
+    for shape in shapes:  # packed at every row count, or at none; float32's LONG slot: F.linear or packed
+        assert len({plan.choices[shape, slot] == PACKED for slot in (1, 2, 3, LONG)}) == 1
+        assert plan.choices[shape, LONG] in ("linear", PACKED)
+        timings = [plan.timings_us[shape, slot] for slot in (1, 2, 3, LONG)] if packed else []
+        ratios = [t[PACKED] / min(us for name, us in t.items() if name != PACKED) for t in timings]
+        assert not packed or (plan.choices[shape, 1] == PACKED) == (torch.tensor(ratios).log().mean() < 0)
+    won = [part.split() for part in plan.describe().split(", ")]  # e.g. "onednn 8/16, weight_first 8/16"
+    assert sum(int(count.split("/")[0]) for _, count in won) == len(plan.choices) and lm.matmul is plan
     with pytest.raises(ValueError, match="unknown formulation"):
         MatmulPlan.uniform("mystery", 2, lm.linear_weights())
 
@@ -114,12 +146,13 @@ def test_the_measured_plan_covers_every_weight_shape_and_row_count():
 def test_warm_up_measures_the_plan_and_greedy_output_stays_the_targets():
     target = tiny_llama(seed=3, vocab_size=96, init=0.2)
     draft = perturbed_copy(target, noise=0.05, seed=1)
-    engine = tiny_engine(target, draft, num_draft_tokens=4, drafter="model")
+    engine = tiny_engine(copy.deepcopy(target), draft, num_draft_tokens=4, drafter="model")  # packing frees its weights
     assert "matmuls measured: target" in engine.warm_up().describe()
     assert set(engine.target.matmul.choices) and set(engine.draft.matmul.choices)
-    for formulation in ("weight_first", "padded", "linear"):  # whichever the host measured, each path is exact
+    for formulation in ("weight_first", "padded", "linear", PACKED):  # whichever the host measured, each path is exact
         for model in engine.models:
-            model.matmul = MatmulPlan.uniform(formulation, 6, model.linear_weights())
+            model.use_plan(MatmulPlan())  # every weight dense again, so that the plan below sees them all
+            model.use_plan(MatmulPlan.uniform(formulation, 6, model.linear_weights()))
         prompt = [5, 9, 11, 5, 9]
         greedy = SamplingParams(max_tokens=20, temperature=0.0)
         outputs = [t for o in engine.generate(Request("g", prompt, greedy)) for t in o.token_ids]
