@@ -173,9 +173,11 @@ class MatmulPlan:
             for key, group in groups.items():
                 operands: dict[str, list] = dict.fromkeys(FORMULATIONS, group)
                 if can_pack(key[2], group[0].device):
-                    try:
-                        operands[PACKED] = [PackedWeight.pack(weight, rows_hint=max_rows) for weight in group]
-                    except RuntimeError:  # this CPU has no oneDNN kernel for the dtype
+                    try:  # oneDNN refuses dtypes this CPU lacks instructions for, packing or multiplying
+                        packed = [PackedWeight.pack(weight, rows_hint=max_rows) for weight in group]
+                        packed[0].linear(torch.zeros(2, key[1], dtype=key[2], device=group[0].device))
+                        operands[PACKED] = packed
+                    except RuntimeError:
                         pass
                 for slot in slots:
                     x = torch.randn(slot or LONG_ROWS, key[1], dtype=key[2], device=group[0].device)  # [N, I]

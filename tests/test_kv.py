@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.engine import Request
-from engine.matmul import FORMULATIONS, LONG, PACKED, MatmulPlan, can_pack
+from engine.matmul import FORMULATIONS, LONG, PACKED, MatmulPlan, PackedWeight, can_pack
 from engine.model import CausalLM
 from engine.sampling import SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
@@ -141,6 +141,20 @@ def test_the_measured_plan_covers_every_weight_shape_and_row_count():
     assert sum(int(count.split("/")[0]) for _, count in won) == len(plan.choices) and lm.matmul is plan
     with pytest.raises(ValueError, match="unknown formulation"):
         MatmulPlan.uniform("mystery", 2, lm.linear_weights())
+
+
+def test_a_cpu_without_a_onednn_kernel_for_the_dtype_keeps_the_blas_formulations(monkeypatch):
+    """oneDNN refuses some dtypes on CPUs without the instructions (float16 without avx512_fp16): the
+    plan then times and chooses among the others, and the model keeps its dense weights."""
+
+    def refuse(self, x):
+        raise RuntimeError("mkldnn_linear_pointwise: this path needs cpu support this one lacks")
+
+    monkeypatch.setattr(PackedWeight, "linear", refuse)
+    lm = CausalLM(tiny_llama(seed=0, vocab_size=50), max_len=64)
+    plan = lm.plan_matmuls(2)
+    assert PACKED not in plan.choices.values() and not any(PACKED in t for t in plan.timings_us.values())
+    assert not lm.prepared and len(lm.linear_weights()) == len(lm.products())
 
 
 def test_warm_up_measures_the_plan_and_greedy_output_stays_the_targets():
