@@ -12,6 +12,7 @@ class ConfigError(ValueError):
 
 
 FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
+NO_DRAFTER = "none"  # as a drafter's name: the target alone (a request's, or the engine's default)
 DRAFT_KV = ("auto", "own", "target")
 COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,7 +27,7 @@ COPY_FORMS = (*DTYPES, COPY_INT8, COPY_AUTO)
 class EngineConfig:
     target: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     draft: str | None = None  # a model ref, "copy:DTYPE" (the target in another dtype), or None for target alone
-    drafter: str = "model"
+    drafter: str = "model"  # the default for requests that name none; NO_DRAFTER: the target alone
     num_draft_tokens: int = 4
     device: str = "auto"
     dtype: str = "auto"

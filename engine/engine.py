@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .adaptive import AdaptiveK, StepCosts
-from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, ConfigError, EngineConfig, check_stages
+from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, NO_DRAFTER, ConfigError, EngineConfig, check_stages
 from .drafters import Drafter, DraftResources, Proposal, available, build
 from .measure import agreement, choose_copy, extra_row_seconds, prefill_seconds_per_token, read_seconds
 from .model import CausalLM
@@ -169,10 +169,11 @@ class SpecEngine:
                 self._drafters[name] = build(name, self._resources)
             except ConfigError as exc:
                 self.drafter_problems[name] = str(exc)
-        # With no draft model, the default "model" drafter means the target alone.
         self.warm_up_report: WarmUp | None = None
         self.speeds = DrafterSpeeds()  # measured tokens/s by drafter, for /v1/models and the chat page
-        self.default_drafter = config.drafter if (draft is not None or config.drafter != "model") else None
+        # NO_DRAFTER, or with no draft model the default "model" drafter, means the target alone.
+        target_alone = config.drafter == NO_DRAFTER or (draft is None and config.drafter == "model")
+        self.default_drafter = None if target_alone else config.drafter
         if self.default_drafter is not None:
             self.drafter(self.default_drafter)  # a default that cannot run fails at start-up
 
@@ -341,7 +342,7 @@ class SpecEngine:
         prompt = list(request.prompt_ids)
         self.target.cache.reuse_prefix(prompt)
         name = request.drafter or self.default_drafter
-        if name == "none":  # the request asks for the target alone
+        if name == NO_DRAFTER:  # the request asks for the target alone
             name = None
         if name == "auto" and request.drafter is None and request.params.seed is not None:
             name = self.drafter("auto").fixed_choice  # a seeded request must repeat: no timing-driven choices

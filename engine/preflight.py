@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .config import COPY_PREFIX, ConfigError, EngineConfig
+from .config import COPY_PREFIX, NO_DRAFTER, ConfigError, EngineConfig
 from .drafters import available
 from .drafters.medusa import check_checkpoint
 from .loader import locate
@@ -55,8 +55,8 @@ def preflight(config: EngineConfig) -> list[str]:
         except ConfigError as exc:
             missing.add(role)
             problems.append(f"{role}: {exc}")
-    if config.drafter not in available():
-        problems.append(f"unknown drafter {config.drafter!r}; available: {', '.join(available())}")
+    if config.drafter not in (*available(), NO_DRAFTER):
+        problems.append(f"unknown drafter {config.drafter!r}; available: {', '.join([*available(), NO_DRAFTER])}")
     if config.self_layers is not None:
         if not config.self_layers:
             problems.append("self_layers: give at least one layer index, e.g. 0,1,2,20,21")

@@ -35,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
         "--draft",
         help="draft model ref, copy:FORM (the target as bfloat16, float16, float32, int8 rows, or auto: the faster of bfloat16 and int8 here), or none",
     )
-    serve.add_argument("--drafter", help="drafting strategy (default: model)")
+    serve.add_argument(
+        "--drafter", help="drafting strategy (default: auto; none: the target alone unless a request asks)"
+    )
     serve.add_argument("--num-draft-tokens", type=int, help="tokens drafted per speculative step (default 4)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")

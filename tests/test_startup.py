@@ -163,6 +163,28 @@ def test_per_request_drafters_work_after_a_different_startup_drafter(tiny_model_
         stop_server(server)
 
 
+def test_startup_drafter_none_serves_the_target_alone_unless_a_request_asks(tiny_model_dirs, tmp_path):
+    target, draft = tiny_model_dirs
+    args = ["--target", str(target), "--draft", str(draft), "--drafter", "none", "--max-model-len", "128"]
+    server = start_server(args, tmp_path / "log")
+    try:
+        client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+        plain = client.completions.create(model="", prompt="abcabc", max_tokens=6, temperature=0)
+        speculative = plain.usage.model_extra["speculative"]
+        assert speculative["drafter"] == "none" and speculative["target_forwards"] == 6
+        asked = client.completions.create(
+            model="", prompt="abcabc", max_tokens=6, temperature=0, extra_body={"speculative": {"drafter": "model"}}
+        )
+        assert (
+            asked.usage.model_extra["speculative"]["drafter"] == "model"
+            and asked.choices[0].text == plain.choices[0].text
+        )
+        assert httpx.get(f"{server.v1}/models").json()["data"][0]["default_drafter"] == "none"
+    finally:
+        stop_server(server)
+    assert "drafter none (target alone)" in server.log.read_text()
+
+
 def test_an_unavailable_drafter_is_named_with_what_can_run(tiny_model_dirs, tmp_path):
     target, _ = tiny_model_dirs  # no draft model: model and staged cannot run; no Medusa heads either
     server = start_server(["--target", str(target), "--max-model-len", "64"], tmp_path / "log")
