@@ -3,6 +3,7 @@ drafters that stay available, and output a person can read."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -145,12 +146,20 @@ def test_the_embedded_default_draft_is_loaded_whatever_the_startup_drafter():
     assert ServeSettings.load(None, {"drafter": "self"}).resolved_draft == DEFAULT_DRAFT
 
 
-def test_per_request_drafters_work_after_a_different_startup_drafter(tiny_model_dirs, tmp_path):
+@contextlib.contextmanager
+def tiny_server(tiny_model_dirs, tmp_path, drafter: str):
+    """A server on the tiny target and draft with ``--drafter drafter``, and a client of it."""
     target, draft = tiny_model_dirs
-    args = ["--target", str(target), "--draft", str(draft), "--drafter", "ngram", "--max-model-len", "128"]
+    args = ["--target", str(target), "--draft", str(draft), "--drafter", drafter, "--max-model-len", "128"]
     server = start_server(args, tmp_path / "log")
     try:
-        client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+        yield server, OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    finally:
+        stop_server(server)
+
+
+def test_per_request_drafters_work_after_a_different_startup_drafter(tiny_model_dirs, tmp_path):
+    with tiny_server(tiny_model_dirs, tmp_path, "ngram") as (server, client):
         for drafter in ("model", "staged", "ngram"):
             response = client.completions.create(
                 model="", prompt="abcabc", max_tokens=6, temperature=0, extra_body={"speculative": {"drafter": drafter}}
@@ -159,16 +168,10 @@ def test_per_request_drafters_work_after_a_different_startup_drafter(tiny_model_
         card = httpx.get(f"{server.v1}/models").json()["data"][0]
         assert card["default_drafter"] == "ngram"
         assert set(card["drafters"]) == {"auto", "model", "ngram", "self", "staged", "suffix", "none"}
-    finally:
-        stop_server(server)
 
 
 def test_startup_drafter_none_serves_the_target_alone_unless_a_request_asks(tiny_model_dirs, tmp_path):
-    target, draft = tiny_model_dirs
-    args = ["--target", str(target), "--draft", str(draft), "--drafter", "none", "--max-model-len", "128"]
-    server = start_server(args, tmp_path / "log")
-    try:
-        client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    with tiny_server(tiny_model_dirs, tmp_path, "none") as (server, client):
         plain = client.completions.create(model="", prompt="abcabc", max_tokens=6, temperature=0)
         speculative = plain.usage.model_extra["speculative"]
         assert speculative["drafter"] == "none" and speculative["target_forwards"] == 6
@@ -180,8 +183,6 @@ def test_startup_drafter_none_serves_the_target_alone_unless_a_request_asks(tiny
             and asked.choices[0].text == plain.choices[0].text
         )
         assert httpx.get(f"{server.v1}/models").json()["data"][0]["default_drafter"] == "none"
-    finally:
-        stop_server(server)
     assert "drafter none (target alone)" in server.log.read_text()
 
 
