@@ -28,7 +28,8 @@ def test_forward_in_chunks_matches_hugging_face():
     assert torch.allclose(ours, reference_logits(model, ids), atol=1e-5)
 
 
-def test_qwen2_biases_are_used():
+@pytest.mark.parametrize("held", ["dense", "packed"])
+def test_qwen2_biases_are_used(held):
     config = Qwen2Config(
         vocab_size=40,
         hidden_size=32,
@@ -43,7 +44,12 @@ def test_qwen2_biases_are_used():
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.bias.normal_()
     ids = list(range(12))
-    assert torch.allclose(CausalLM(model, 32).extend(ids, 12), reference_logits(model, ids), atol=1e-5)
+    reference = reference_logits(model, ids)
+    lm = CausalLM(model, 32)
+    if held == "packed":  # the bias goes into the packed product
+        lm.use_plan(MatmulPlan.uniform(PACKED, 4, lm.linear_weights()))
+    assert torch.allclose(lm.extend(ids[:3], 3), reference[:3], atol=1e-5)  # small-row slots
+    assert torch.allclose(lm.extend(ids[3:], 9), reference[3:], atol=1e-5)  # the LONG slot
 
 
 def test_rollback_discards_rejected_positions():
