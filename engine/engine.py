@@ -143,9 +143,13 @@ class SpecEngine:
         draft: CausalLM | None,
         eos_token_ids: set[int],
         tokenizer_size: int | None = None,
+        draft_agreement: float | None = None,
     ) -> None:
-        """``tokenizer_size``: ids the tokenizer can decode; logit rows past it (padding) are never sampled."""
+        """``tokenizer_size``: ids the tokenizer can decode; logit rows past it (padding) are never
+        sampled. ``draft_agreement``: the draft's agreement with the target where start-up already
+        measured it (``choose_copy``), so that warm-up need not measure it again."""
         self.config = config
+        self.draft_agreement = draft_agreement
         self.target = target
         self.draft = draft
         self.eos_token_ids = eos_token_ids
@@ -256,7 +260,9 @@ class SpecEngine:
                     auto.expect_catch_up(
                         prefill_seconds_per_token(self.draft), extra_row_seconds(self.draft, max_query, draft_step)
                     )
-                auto.expect_agreement(agreement(self.draft, self.target))
+                if self.draft_agreement is None:
+                    self.draft_agreement = agreement(self.draft, self.target)
+                auto.expect_agreement(self.draft_agreement)
             auto.expect_step_costs(verify, draft_step)
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
         self.warm_up_report = WarmUp(
@@ -452,13 +458,14 @@ def build_engine(
     max_len = config.max_model_len or min(limit, 4096)
     target = CausalLM(target_model, max_len)
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None
+    measured_agreement = None
     if draft is not None and config.draft_copy == COPY_INT8:
         draft.quantize_int8()
     elif draft is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
-        draft, form = choose_copy(target, draft, config.num_draft_tokens)
+        draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens)
         config = replace(config, draft=COPY_PREFIX + form)
     mode = config.forward_mode
     if mode != "eager":  # decode-shaped forwards: up to k drafts, a pending token, and a bonus row
         for model in filter(None, (target, draft)):
             model.runner = GraphRunner(model, mode, config.num_draft_tokens + 2, config.compile_backend)
-    return SpecEngine(config, target, draft, eos_token_ids, tokenizer_size)
+    return SpecEngine(config, target, draft, eos_token_ids, tokenizer_size, measured_agreement)

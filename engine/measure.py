@@ -70,13 +70,14 @@ def agreement(draft: CausalLM, target: CausalLM, num_tokens: int = 32) -> float:
     return float(overlap.mean())
 
 
-def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> tuple[CausalLM, str]:
+def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> tuple[CausalLM, str, float | None]:
     """``copy:auto``: the bfloat16 copy of the target, or the same weights as int8 rows, whichever
     promises more tokens per second at k = ``num_draft_tokens``: expected_tokens(agreement, k)
     over k draft steps and a verify, each timed here. Off CPU (no int8 kernel there) the bfloat16
-    copy. Returns the chosen model and what it is made of ("bfloat16" or "int8")."""
+    copy, unmeasured. Returns the chosen model, what it is made of ("bfloat16" or "int8"), and its
+    measured agreement with the target (None where none was measured)."""
     if target.device.type != "cpu":
-        return bfloat16, "bfloat16"
+        return bfloat16, "bfloat16", None
     int8 = CausalLM(copy.deepcopy(bfloat16.hf_model), bfloat16.max_len)
     int8.quantize_int8()
     max_rows = num_draft_tokens + 2
@@ -84,12 +85,12 @@ def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> 
         model.plan_matmuls(min(max_rows, model.max_len))
     k = max(num_draft_tokens, 1)
     verify = read_seconds(target, k + 1, repeats=2)
-    rates, found = {}, {}
+    rates, found, agreements = {}, {}, {}
     for form, model in (("bfloat16", bfloat16), ("int8", int8)):
         read_seconds(model, 1, repeats=1)  # first-call costs
-        step, accepted = read_seconds(model, 1, repeats=3), agreement(model, target)
-        rates[form] = expected_tokens(accepted, k) / (k * step + verify)
-        found[form] = f"{form} (step {step * 1e3:.1f} ms, agreement {accepted:.3f}, {rates[form]:.1f} tok/s)"
+        step, agreements[form] = read_seconds(model, 1, repeats=3), agreement(model, target)
+        rates[form] = expected_tokens(agreements[form], k) / (k * step + verify)
+        found[form] = f"{form} (step {step * 1e3:.1f} ms, agreement {agreements[form]:.3f}, {rates[form]:.1f} tok/s)"
     chosen = max(rates, key=rates.__getitem__)
     log.info("draft copy:auto chose %s over %s", found[chosen], next(v for f, v in found.items() if f != chosen))
-    return (int8 if chosen == "int8" else bfloat16), chosen
+    return (int8 if chosen == "int8" else bfloat16), chosen, agreements[chosen]

@@ -161,7 +161,7 @@ def test_text_matchings_acceptance_by_match_length_carries_across_requests():
 def test_steps_report_who_drafted_and_greedy_output_is_the_targets():
     engine = auto_engine()
     engine.drafter("auto").probe_every = 1
-    target_only = tiny_engine(engine.target.hf_model, None)
+    target_only = tiny_engine(tiny_llama(seed=3, vocab_size=96, init=0.2), None)  # the same target, its own modules
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = [5, 9, 11, 5, 9, 11, 5, 9]
     outputs = list(engine.generate(Request("a", prompt, params)))

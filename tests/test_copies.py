@@ -62,20 +62,24 @@ def test_copy_auto_times_both_copies_and_keeps_the_faster(caplog):
     target = CausalLM(tiny_llama(seed=5, vocab_size=64, init=0.2), max_len=64)
     bfloat16 = CausalLM(copy.deepcopy(target.hf_model).to(torch.bfloat16), max_len=64)
     with caplog.at_level(logging.INFO, logger="engine.measure"):
-        chosen, form = choose_copy(target, bfloat16, num_draft_tokens=3)
+        chosen, form, agreed = choose_copy(target, bfloat16, num_draft_tokens=3)
     line = next(r.getMessage() for r in caplog.records if "copy:auto chose" in r.getMessage())
     rates = {name: float(rate) for name, rate in re.findall(r"(int8|bfloat16) \(step .*?, ([\d.]+) tok/s\)", line)}
     assert set(rates) == {"int8", "bfloat16"} and form == max(rates, key=rates.__getitem__)
     assert line.startswith(f"draft copy:auto chose {form} ")
     assert chosen.int8 == (form == "int8") and (chosen is bfloat16) == (form == "bfloat16")
+    assert f"{form} (step " in line and f"agreement {agreed:.3f}" in line.split(" over ")[0]
 
 
 def test_an_engine_drafting_with_copy_auto_says_which_copy_and_keeps_the_targets_greedy_output():
     target = tiny_llama(seed=6, vocab_size=96, init=0.2)
     config = EngineConfig(draft="copy:auto", drafter="model", device="cpu", dtype="float32", max_model_len=128)
-    engine = build_engine(config, target, copy.deepcopy(target).to(torch.bfloat16), set())
+    # the engine owns what it is given (packing may free it): the target-only engine gets its own
+    engine = build_engine(config, copy.deepcopy(target), copy.deepcopy(target).to(torch.bfloat16), set())
     assert engine.config.draft in ("copy:bfloat16", "copy:int8")
+    measured = engine.draft_agreement  # by copy:auto's choice; warm-up keeps it rather than measuring again
     engine.warm_up()
+    assert measured is not None and engine.draft_agreement == measured
     alone = build_engine(
         EngineConfig(device="cpu", dtype="float32", max_model_len=128, draft=None), target, None, set()
     )
