@@ -228,6 +228,7 @@ class ServerRunner:
         }
         if drafter != "default":
             body["speculative"] = {"drafter": drafter, "adaptive_k": adaptive_k}
+        self._forget_prompts(prompt_ids)
         self.rss.reset()
         run = Run(time.perf_counter())
         pieces: list[str] = []
@@ -252,6 +253,15 @@ class ServerRunner:
             run.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         run.peak_rss_mb = self.rss.read_mb()
         return run
+
+    def _forget_prompts(self, prompt_ids: list[int]) -> None:
+        """Leave nothing of ``prompt_ids`` in the server's prefix cache, so that every run reads its
+        whole prompt, as HF's and llama.cpp's runs do: the configurations take turns on one server,
+        and each would otherwise find the prompt the one before it just read. (A one-token request
+        of another token; the target alone, so no drafter's state moves.)"""
+        other = 1 if prompt_ids[0] != 1 else 2
+        body = {"prompt": [other], "max_tokens": 1, "user": "bench-forget", "speculative": {"drafter": "none"}}
+        self.client.post("/v1/completions", json=body).raise_for_status()
 
     def close(self) -> None:
         self.client.close()

@@ -11,7 +11,7 @@ from tests.conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 
 from report import summarise, summary, tables  # noqa: E402
-from runners import Run  # noqa: E402
+from runners import Run, ServerRunner  # noqa: E402
 
 
 def test_gpu_script_runs_on_cpu_with_small_sizes(tmp_path):
@@ -30,6 +30,21 @@ def test_gpu_script_runs_on_cpu_with_small_sizes(tmp_path):
         assert set(costs["forced_acceptance_tokens_per_s"]) == {"0.6", "0.8", "1.0"}
         assert {"hbm_fraction_target_step", "verify_3_over_target_step", "predicted_speedup_at_0.8"} <= set(costs)
     assert entry["compile"]["variants"] > 0 and entry["windows"]
+
+
+def test_every_server_run_reads_its_whole_prompt(tiny_model_dirs, tmp_path):
+    """Configurations take turns on one server: without forgetting, each would find the prompt the
+    one before it read cached, and time to first token would not compare with HF's or llama.cpp's."""
+    target, draft = tiny_model_dirs
+    server = ServerRunner(["--target", str(target), "--draft", str(draft), "--max-model-len", "128"], tmp_path / "log")
+    try:
+        server.wait_ready()
+        prompt = list(range(40, 70))
+        runs = [server.run(drafter, False, prompt, 8, user=drafter) for drafter in ("none", "model", "none")]
+        assert [run.cached_tokens for run in runs] == [0, 0, 0]
+        assert len({run.text for run in runs}) == 1  # greedy: the same output whoever drafted
+    finally:
+        server.close()
 
 
 def _run(tokens: int, seconds: float, text: str, forwards: int | None = None) -> Run:
