@@ -13,10 +13,11 @@ the weight costs more than a few rows' product), and reversing the product only 
 1,500-token float32 prompt it was 1.3x slower), so each is measured only where it can win.
 
 A fifth candidate reads a copy of the weight that oneDNN reordered once into its own blocked layout
-(``PackedWeight``). Where it wins, the model holds only that copy (``CausalLM.use_plan``). On the
-Zen 5 host it ran every shape at every row count faster than the BLAS formulations, and nearly flat
-over 1 to 9 rows: the embedded target's 5-token verify fell from 27.8 ms to 18.4 ms against 17.1 ms
-for one token, and its LM head read at 2.0 ms for 1 row and 2.3 ms for 5 (2.1 and 3.7 before).
+(``PackedWeight``). Where it wins, the model holds only that copy (``CausalLM.use_plan``), so it is
+chosen per shape for every row count at once. On the Zen 5 host its cost stayed nearly flat from 1
+to 9 rows: 1.3-2.1x faster than the BLAS formulations at 5 rows, 5-24% slower than the padded
+product at 1 row in float32, and the embedded target's 5-token verify fell from 28.7 ms to 21.1 ms
+against 18.6 ms for one token (19.4 unpacked; ``bench/matmul.py``).
 
 The formulations compute the same product; they may round differently in the last bit, as any two
 BLAS paths do (as the 1-row and the k+1-row paths always did).
