@@ -65,6 +65,7 @@ FORMULATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = 
     "upcast": _upcast,  # half-precision weights only
 }
 PACKED = "onednn"  # a PackedWeight's product: the model must hold the weight packed (all rows, or none)
+NAMES = (*FORMULATIONS, PACKED)  # every choice a plan can hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +142,8 @@ class MatmulPlan:
     @classmethod
     def uniform(cls, name: str, max_rows: int, weights: Iterable[torch.Tensor]) -> MatmulPlan:
         """One formulation wherever it is a candidate, F.linear elsewhere (tests force each path)."""
-        if name not in (*FORMULATIONS, PACKED):
-            raise ValueError(f"unknown formulation {name!r}; known: {sorted((*FORMULATIONS, PACKED))}")
+        if name not in NAMES:
+            raise ValueError(f"unknown formulation {name!r}; known: {sorted(NAMES)}")
         keys = {_key(weight): can_pack(weight.dtype, weight.device) for weight in weights}
         slots = [*range(1, max_rows + 1), LONG]
         return cls(
@@ -207,7 +208,7 @@ class MatmulPlan:
         """How many (shape, rows) cases each formulation won, e.g. "weight_first 28/36"."""
         if not self.choices:
             return "F.linear"
-        won = {name: sum(choice == name for choice in self.choices.values()) for name in (*FORMULATIONS, PACKED)}
+        won = {name: sum(choice == name for choice in self.choices.values()) for name in NAMES}
         return ", ".join(f"{name} {count}/{len(self.choices)}" for name, count in won.items() if count)
 
 

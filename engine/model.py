@@ -224,9 +224,8 @@ class CausalLM:
         weight = getattr(module, name)
         if weight.data_ptr() == self.embed.weight.data_ptr():
             return
-        weight.data = weight.new_empty(0)
-        for part in FUSED.get(name.removesuffix("_weight"), ()):
-            getattr(module, part).weight.data = weight.new_empty(0)
+        for tensor in [weight, *(linear.weight for linear in _fused_parts(module, name))]:
+            tensor.data = weight.new_empty(0)
 
     def _restore(self, module: nn.Module, name: str, dense: torch.Tensor) -> None:
         """Undo ``_release`` with the weight ``dense`` [O, I]: the fused layers' weights are views again."""
@@ -234,11 +233,9 @@ class CausalLM:
         if weight.data_ptr() == self.embed.weight.data_ptr():
             return
         weight.data = dense
-        start = 0
-        parts = FUSED.get(name.removesuffix("_weight"), ())
-        for part, rows in zip(parts, getattr(module, name.replace("weight", "rows"), ()), strict=True):
-            getattr(module, part).weight.data = dense[start : start + rows]
-            start += rows
+        parts = _fused_parts(module, name)
+        if parts:
+            _view_parts(parts, getattr(module, name.replace("weight", "rows")), dense)
 
     def _input(self, token_ids: list[int] | torch.Tensor, start: int) -> torch.Tensor:
         num_new = len(token_ids) if isinstance(token_ids, list) else token_ids.shape[0]
@@ -340,19 +337,31 @@ def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
     weight = getattr(module, f"{fused}_weight", None)
     if weight is not None and linears[0].weight.data_ptr() == weight.data_ptr():
         return
+    rows = tuple(linear.weight.shape[0] for linear in linears)
     weight = torch.cat([linear.weight.data for linear in linears])  # [sum O, I]
     biases = [linear.bias for linear in linears]
     bias = None if any(b is None for b in biases) else torch.cat([b.data for b in biases])  # [sum O]
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight.data = weight[start : start + rows]
-        if bias is not None:
-            linear.bias.data = bias[start : start + rows]
-        start += rows
+    _view_parts(linears, rows, weight, bias)
     setattr(module, f"{fused}_weight", weight)
     setattr(module, f"{fused}_bias", bias)
-    setattr(module, f"{fused}_rows", tuple(linear.weight.shape[0] for linear in linears))  # how to split it again
+    setattr(module, f"{fused}_rows", rows)  # how to split it again (``CausalLM._restore``)
+
+
+def _view_parts(
+    linears: list[nn.Module], rows: tuple[int, ...], weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
+    """Make each linear layer's weight (and bias) the view of its ``rows`` of the stacked ``weight``
+    [sum O, I] (and ``bias`` [sum O])."""
+    for linear, part in zip(linears, weight.split(rows), strict=True):
+        linear.weight.data = part
+    if bias is not None:
+        for linear, part in zip(linears, bias.split(rows), strict=True):
+            linear.bias.data = part
+
+
+def _fused_parts(module: nn.Module, name: str) -> list[nn.Module]:
+    """The linear layers whose weights are views of ``module``'s fused weight ``name`` (none for others)."""
+    return [getattr(module, part) for part in FUSED.get(name.removesuffix("_weight"), ())]
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
