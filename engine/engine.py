@@ -125,14 +125,17 @@ class WarmUp:
     seconds: float
     graph_bytes: int  # device memory the captures reserved
     matmuls: str = ""  # eager CPU: what the measured MatmulPlans chose, per model
+    kernels: str = ""  # how the pointwise kernels run, where they were compiled (or failed to be)
 
     def describe(self) -> str:
+        kernels = f"; {self.kernels}" if self.kernels else ""
         if self.forward == "cuda-graphs":
-            return f"CUDA graphs: {self.variants} captured in {self.seconds:.1f} s, {self.graph_bytes / 2**20:,.0f} MiB"
+            captured = f"{self.variants} captured in {self.seconds:.1f} s, {self.graph_bytes / 2**20:,.0f} MiB"
+            return f"CUDA graphs: {captured}{kernels}"
         if self.forward == "compile":
-            return f"torch.compile: {self.variants} variants compiled in {self.seconds:.1f} s"
+            return f"torch.compile: {self.variants} variants compiled in {self.seconds:.1f} s{kernels}"
         chosen = f" (matmuls measured: {self.matmuls})" if self.matmuls else ""
-        return f"forward {self.forward}{chosen}, warmed up in {self.seconds:.1f} s"
+        return f"forward {self.forward}{chosen}, warmed up in {self.seconds:.1f} s{kernels}"
 
 
 class SpecEngine:
@@ -227,6 +230,7 @@ class SpecEngine:
         started = time.perf_counter()
         device = self.target.device
         reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        kernels = self.compile_kernels(required=self.config.kernels == "compiled")  # before any capture
         max_query = self.config.num_draft_tokens + 2
         variants = 0
         matmuls = []
@@ -265,10 +269,35 @@ class SpecEngine:
                 auto.expect_agreement(self.draft_agreement)
             auto.expect_step_costs(verify, draft_step)
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
+        seconds = time.perf_counter() - started
         self.warm_up_report = WarmUp(
-            self.config.forward_mode, variants, time.perf_counter() - started, graph_bytes, "; ".join(matmuls)
+            self.config.forward_mode, variants, seconds, graph_bytes, "; ".join(matmuls), kernels
         )
         return self.warm_up_report
+
+    def compile_kernels(self, required: bool) -> str:
+        """Compile each model's pointwise kernels, where they are compiled, and say how it went.
+        Where compiling fails (no C compiler for inductor's code, say), every model runs eager
+        kernels instead, unless ``required``: then the failure is a ConfigError."""
+        compiled = [model for model in self.models if model.kernels.mode == "compiled"]
+        if not compiled:
+            return ""
+        started = time.perf_counter()
+        try:
+            for model in compiled:
+                model.warm_up_kernels()
+        except Exception as error:  # whatever torch.compile or its backend raised
+            cause = error  # the backend's own error, under dynamo's wrapping
+            while getattr(cause, "inner_exception", None) or cause.__cause__:
+                cause = getattr(cause, "inner_exception", None) or cause.__cause__
+            reason = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+            if required:
+                raise ConfigError(f"compiling the pointwise kernels failed ({reason}); use kernels=eager") from error
+            for model in compiled:
+                model.use_kernels("eager")
+            return f"pointwise kernels eager: compiling them failed ({reason})"
+        count = sum(sum(model.kernels.compilations.values()) for model in compiled)
+        return f"pointwise kernels compiled: {count} compilations in {time.perf_counter() - started:.1f} s"
 
     def reset(self) -> None:
         """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""
@@ -464,6 +493,8 @@ def build_engine(
     elif draft is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
         draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens)
         config = replace(config, draft=COPY_PREFIX + form)
+    for model in filter(None, (target, draft)):
+        model.use_kernels(config.kernel_mode, config.compile_backend)
     mode = config.forward_mode
     if mode != "eager":  # decode-shaped forwards: up to k drafts, a pending token, and a bonus row
         for model in filter(None, (target, draft)):

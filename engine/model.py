@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError
+from .kernels import Pointwise
 from .kv import KVCache
 from .matmul import MatmulPlan, PackedWeight
 
@@ -72,6 +73,15 @@ class CausalLM:
         self.cos, self.sin = cos[0], sin[0]  # [S, D]
         self.positions = positions[0]  # [S] 0..S-1, sliced for the positions of new tokens
         self.runner = None  # a runner.GraphRunner replaying decode-shaped forwards; None: always eager
+        # the pointwise work between products (norms, residuals, rotary, the MLP's gate), eager
+        # until ``use_kernels`` compiles it; every layer's norms share the final norm's epsilon
+        # (the config's), and every layer's MLP has the same stateless activation
+        self.norm_eps = self.norm.variance_epsilon
+        norms = [norm for layer in self.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if any(norm.variance_epsilon != self.norm_eps for norm in norms):
+            raise UnsupportedModel("the layers' RMSNorms must share one epsilon (the config's rms_norm_eps)")
+        self.activation = self.layers[0].mlp.act_fn
+        self.kernels = Pointwise.eager(self.norm_eps, self.activation)
         self.matmul = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
         # products whose weight is held in another form, by (id(module), weight name): int8 rows
         # (``quantize_int8``), or packed by oneDNN where the plan chose it (``use_plan``)
@@ -122,8 +132,8 @@ class CausalLM:
             first = hidden.shape[0] - num_logits
             return hidden[first:], logits[first:]
         end = start + input_ids.shape[0]
-        hidden = self._body(input_ids, self.positions[start:end], end, layers, masked=input_ids.shape[0] > 1)
-        hidden = _rms_norm(self.norm, hidden[hidden.shape[0] - num_logits :])  # [N, E]
+        masked = input_ids.shape[0] > 1
+        hidden = self._body(input_ids, self.positions[start:end], end, layers, masked, num_logits)  # [N, E]
         return hidden, self.logits(hidden)
 
     def static_forward(
@@ -132,7 +142,7 @@ class CausalLM:
         """input_ids [T] at positions [T] -> (normalised hidden [T, E], logits [T, V]), attending
         over the first ``window`` cache positions under a causal mask. Shapes depend only on T and
         ``window``: this is what the runner compiles or captures."""
-        hidden = _rms_norm(self.norm, self._body(input_ids, positions, window, layers, masked=True))  # [T, E]
+        hidden = self._body(input_ids, positions, window, layers, True, input_ids.shape[0])  # [T, E]
         return hidden, self.logits(hidden)
 
     @property
@@ -246,23 +256,63 @@ class CausalLM:
     def upload(self, token_ids: list[int]) -> torch.Tensor:
         return upload(token_ids, self.device)
 
+    def use_kernels(self, mode: str, backend: str = "inductor") -> None:
+        """Run the pointwise work between products eagerly ("eager") or fused by torch.compile with
+        ``backend`` ("compiled", each function compiled for this model on its first call)."""
+        if mode == "compiled":
+            self.kernels = Pointwise.compiled(self.norm_eps, self.activation, backend)
+        else:
+            self.kernels = Pointwise.eager(self.norm_eps, self.activation)
+
+    def warm_up_kernels(self) -> None:
+        """Compile the pointwise kernels now, by their first calls: eager forwards of one token
+        (dynamo's own variant for a size of 1) and of three (any other number of tokens) at the start
+        of the cache, which is left empty. Raises what compiling raised."""
+        runner, self.runner = self.runner, None
+        try:
+            for num_tokens in (1, 3):
+                if num_tokens <= self.max_len:
+                    self.cache.rollback(0)
+                    self.extend([0] * num_tokens, num_logits=num_tokens)
+        finally:
+            self.runner = runner
+            self.cache.rollback(0)
+
     def _body(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, window: int, layers: Sequence[int], masked: bool
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        window: int,
+        layers: Sequence[int],
+        masked: bool,
+        num_out: int,
     ) -> torch.Tensor:
-        """input_ids [T] at positions [T], attending over cache positions [0, window)."""
+        """input_ids [T] at positions [T], attending over cache positions [0, window) -> the final
+        normalised hidden states [N, E] of the last ``num_out`` tokens. Each residual connection is
+        added where the next norm reads it, in one kernel with it when the kernels are compiled."""
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
         mask = None  # unmasked only when T = 1 and the window ends at its position
         if masked:  # query i (at positions[i]) sees keys [0, positions[i]]
             mask = self.positions[None, :window] <= positions[:, None]  # [T, W]
             mask = mask.repeat(self.num_heads // self.num_kv_heads, 1)  # [G*T, W], queries grouped by KV head
         hidden = self.embed(input_ids)[None]  # [1, T, E]
+        delta = None  # [1, T, E] what the last block adds to ``hidden``, not yet added
         for index in layers:
             layer = self.layers[index]
-            hidden = hidden + self._attention(
-                layer.self_attn, _rms_norm(layer.input_layernorm, hidden), index, positions, window, cos, sin, mask
-            )
-            hidden = hidden + self._mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
-        return hidden[0]  # [T, E]
+            hidden, x = self._add_norm(hidden, delta, layer.input_layernorm)
+            delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask)
+            hidden, x = self._add_norm(hidden, delta, layer.post_attention_layernorm)
+            delta = self._mlp(layer.mlp, x)
+        # every row, then the last ``num_out``: slices of the rows would be other shapes to compile
+        return self._add_norm(hidden, delta, self.norm)[1][0, hidden.shape[1] - num_out :]  # [N, E]
+
+    def _add_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, that sum through the RMSNorm ``norm``); no delta: (hidden, its norm)."""
+        if delta is None:
+            return hidden, self.kernels.rms_norm(hidden, norm.weight)
+        return self.kernels.add_rms_norm(hidden, delta, norm.weight)
 
     def _attention(self, attn, x, index, positions, window, cos, sin, mask) -> torch.Tensor:
         num_new, heads, kv_heads, dim = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
@@ -274,7 +324,7 @@ class CausalLM:
             qk = torch.cat([q, k], dim=2)  # [1, T, H + H_kv, D]
         else:
             qk = qkv[..., : (heads + kv_heads) * dim].view(1, num_new, heads + kv_heads, dim)  # [1, T, H + H_kv, D]
-        qk = _rotate(qk.transpose(1, 2), cos, sin)  # [1, H + H_kv, T, D], q and k rotated together
+        qk = self.kernels.rotate(qk.transpose(1, 2), cos, sin)  # [1, H + H_kv, T, D], q and k rotated together
         q, k = qk[:, :heads], qk[:, heads:]  # [1, H, T, D], [1, H_kv, T, D]
         keys, values = self.cache.write(index, positions, k, v, window)  # [1, H_kv, W, D]
         # The G = H / H_kv query heads sharing a KV head attend as G*T queries of that head: no copies
@@ -288,8 +338,8 @@ class CausalLM:
         # the layers ``fuse_linears`` stacked, as one product: fewer kernels, and on CPU a formulation
         # the ``MatmulPlan`` measured for the stacked shape (a verify's 5 rows through the 3072-row
         # MLP weight with ``F.linear`` took a slow BLAS path)
-        gate, up = self._product(x, mlp, "gate_up_weight").chunk(2, dim=-1)  # [1, T, I] each
-        return self._product(mlp.act_fn(gate) * up, mlp.down_proj, "weight")  # [1, T, E]
+        gated = self.kernels.gate(self._product(x, mlp, "gate_up_weight"))  # [1, T, 2I] -> [1, T, I]
+        return self._product(gated, mlp.down_proj, "weight")  # [1, T, E]
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,25 +414,9 @@ def _fused_parts(module: nn.Module, name: str) -> list[nn.Module]:
     return [getattr(module, part) for part in FUSED.get(name.removesuffix("_weight"), ())]
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's RMSNorm with the normalisation as one fused call (the module's own forward
-    launches about six kernels), rounded as the checkpoint rounds it: normalised in float32, cast to
-    the input's dtype, then scaled. In half precision, normalising in the input's dtype instead
-    turned the embedded model's bfloat16 answers into nonsense."""
-    normalised = F.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon)  # [.., E] float32
-    return norm.weight * normalised.to(x.dtype)
-
-
 def upload(token_ids: list[int], device: torch.device) -> torch.Tensor:
     """Host token ids -> [T] int64 on ``device``, without waiting for the device's queued work
     (``torch.tensor(ids, device="cuda")`` copies from pageable memory and synchronises)."""
     if device.type == "cuda":  # through pinned memory, so the copy is asynchronous
         return torch.tensor(token_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
     return torch.tensor(token_ids, dtype=torch.long, device=device)  # [T]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding with half-split pairs, as in the Llama checkpoints. x [1, H, T, D], cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

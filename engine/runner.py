@@ -2,9 +2,9 @@
 
 A decode-shaped forward feeds at most ``max_query`` tokens: a draft step (1), the target's verify
 (k + 1), a draft catching up after a fully accepted run, the self drafter's partial pass. Each
-launches about 30 kernels per layer; on a GPU, dispatching them one by one costs more than the
-kernels themselves, so these forwards are recorded once and replayed. Prefill is long and rare and
-stays eager.
+launches about 24 kernels per layer eagerly (about 11 with ``engine/kernels.py``'s compiled
+pointwise kernels); on a GPU, dispatching them one by one costs more than the kernels themselves,
+so these forwards are recorded once and replayed. Prefill is long and rare and stays eager.
 
 A variant is one (query length, window, layer set). Attention reads the first ``window`` cache
 positions under a causal mask (``CausalLM.static_forward``), the window being the smallest of a few
@@ -26,13 +26,13 @@ Two ways to run the variants (``EngineConfig.forward``):
 from __future__ import annotations
 
 import time
-import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from .config import ConfigError
+from .kernels import counted_backend, fresh
 
 MIN_WINDOW = 256
 MODES = ("cuda-graphs", "compile")
@@ -136,14 +136,8 @@ class GraphRunner:
             return model.static_forward(input_ids, positions, window, layers)
 
         # a fresh code object per variant: its own dynamo cache, so one compilation each
-        fresh = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, None, step.__closure__)
-        inner = torch._dynamo.lookup_backend(self.backend)
-
-        def counting_backend(graph_module, example_inputs):
-            self.compilations[key] = self.compilations.get(key, 0) + 1
-            return inner(graph_module, example_inputs)
-
-        return torch.compile(fresh, backend=counting_backend, fullgraph=True, dynamic=False)
+        backend = counted_backend(self.backend, self.compilations, key)
+        return torch.compile(fresh(step), backend=backend, fullgraph=True, dynamic=False)
 
     def _capture(self, key: Key, input_ids: torch.Tensor, positions: torch.Tensor) -> _Captured:
         """Run the variant once for real (which also makes this call's keys and values right), then

@@ -59,7 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="on a GPU, run every forward eagerly instead of replaying CUDA graphs (on CPU forwards are always eager)",
+        help="on a GPU, run every forward eagerly: no CUDA graphs, no compiled kernels (on CPU forwards are always eager)",
+    )
+    serve.add_argument(
+        "--kernels",
+        choices=("auto", "eager", "compiled"),
+        help="the norms, rotary and MLP gate between products: fused by torch.compile, or eager "
+        "(default auto: compiled under CUDA graphs, eager where compiling fails and on CPU)",
     )
     serve.add_argument("--min-draft-confidence", type=float, help="model drafts stop below this top probability")
     serve.add_argument("--self-layers", help="layers the self drafter runs, e.g. 0,1,2,20,21 (default: calibrated)")

@@ -40,7 +40,13 @@ class ServeSettings(BaseSettings):
     threads: int | None = Field(default=None, ge=1, description="CPU threads; none: the CPUs this process may use")
     needs: str | None = Field(default=None, description="what a preset needs to run, said when it cannot start")
     adaptive_k: bool = False
-    enforce_eager: bool = Field(default=False, description="never capture CUDA graphs; every forward runs eagerly")
+    enforce_eager: bool = Field(
+        default=False, description="never capture CUDA graphs or compile kernels; every forward runs eagerly"
+    )
+    kernels: Literal["auto", "eager", "compiled"] = Field(
+        default="auto",
+        description="the pointwise kernels between products: compiled (auto: under CUDA graphs) or eager",
+    )
     min_draft_confidence: float = Field(default=0.0, ge=0.0, lt=1.0)
     self_layers: str | None = Field(default=None, description="comma-separated layer indices for --drafter self")
     medusa_heads: str | None = None
@@ -98,6 +104,7 @@ class ServeSettings(BaseSettings):
             suffix_cache_requests=self.suffix_cache_requests,
             fault_injection=self.fault_injection,
             forward="eager" if self.enforce_eager else "auto",
+            kernels="eager" if self.enforce_eager else self.kernels,
         )
 
     @classmethod

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.engine import Request
 from engine.model import CausalLM
 from engine.runner import GraphRunner, windows
-from engine.sampling import SamplingParams
-from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
+from tests.tiny import compiling_engine, serve_varied_requests, tiny_llama
 
 
 def test_windows_double_up_to_the_cache_length():
@@ -52,28 +50,11 @@ def test_the_static_forward_compiles_whole_and_matches_eager():
 
 
 def test_every_shape_compiles_once_at_warm_up_and_never_while_serving():
-    target = tiny_llama(seed=3, vocab_size=96, init=0.2)
-    engine = tiny_engine(
-        target,
-        perturbed_copy(target, 0.05, seed=1),
-        num_draft_tokens=3,
-        forward="compile",
-        compile_backend="aot_eager",
-        self_layers=(0,),
-    )
+    engine = compiling_engine(forward="compile")
     report = engine.warm_up()
     # query lengths 1..k+2; the target with all its layers and the self drafter's subset, the draft whole
     assert report.variants == 5 * 2 + 5
     compiled = {id(model): dict(model.runner.compilations) for model in engine.models}
     assert all(count == 1 for counts in compiled.values() for count in counts.values())
-    generator = torch.Generator().manual_seed(0)
-    drafters = ("model", "self", "ngram", "staged", "auto", "none")
-    for i in range(12):  # varying drafters, k, adaptive k and prompt lengths
-        length = int(torch.randint(3, 30, (1,), generator=generator))
-        prompt = torch.randint(1, 96, (length,), generator=generator).tolist()
-        params = SamplingParams(max_tokens=10, temperature=1.0)
-        request = Request(
-            str(i), prompt, params, num_draft_tokens=1 + i % 3, drafter=drafters[i % 6], adaptive_k=i % 2 == 0
-        )
-        list(engine.generate(request))
+    serve_varied_requests(engine)
     assert {id(model): dict(model.runner.compilations) for model in engine.models} == compiled

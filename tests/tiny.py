@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine.config import EngineConfig
 from engine.drafters.medusa import MedusaHeads
-from engine.engine import SpecEngine, build_engine
+from engine.engine import Request, SpecEngine, build_engine
+from engine.sampling import SamplingParams
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -114,6 +115,8 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
 # confidence cutoff decided on the device with every draft step run, as when the host must not wait.
 DEVICE_PATH_SETUPS: dict[str, tuple[bool, dict]] = {
     "model-compiled": (True, {"drafter": "model", "forward": "compile", "compile_backend": "aot_eager"}),
+    # the pointwise kernels between products compiled, as under CUDA graphs (engine/kernels.py)
+    "model-compiled-kernels": (True, {"drafter": "model", "kernels": "compiled", "compile_backend": "aot_eager"}),
     "model-cutoff-on-device": (True, {"drafter": "model", "min_draft_confidence": 0.3}),
 }
 
@@ -152,3 +155,26 @@ def save_tiny(folder: Path, seed: int, tokenizer: PreTrainedTokenizerFast, **kwa
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def serve_varied_requests(engine: SpecEngine, count: int = 12, max_prompt: int = 30, seed: int = 0) -> None:
+    """Requests with varying drafters, k, adaptive k and prompt lengths, each run to its end: what
+    serving asks of compiled or captured code, for tests that count its compilations."""
+    generator = torch.Generator().manual_seed(seed)
+    drafters = ("model", "self", "ngram", "staged", "auto", "none")
+    for i in range(count):
+        length = int(torch.randint(3, max_prompt, (1,), generator=generator))
+        prompt = torch.randint(1, engine.vocab_size, (length,), generator=generator).tolist()
+        params = SamplingParams(max_tokens=10, temperature=1.0)
+        request = Request(
+            str(i), prompt, params, num_draft_tokens=1 + i % 3, drafter=drafters[i % 6], adaptive_k=i % 2 == 0
+        )
+        list(engine.generate(request))
+
+
+def compiling_engine(**options) -> SpecEngine:
+    """A tiny target, a perturbed copy as draft, k = 3 and a self drafter on layer 0, compiling
+    with aot_eager where ``options`` (EngineConfig fields) say to compile."""
+    target = tiny_llama(seed=3, vocab_size=96, init=0.2)
+    draft = perturbed_copy(target, 0.05, seed=1)
+    return tiny_engine(target, draft, num_draft_tokens=3, compile_backend="aot_eager", self_layers=(0,), **options)
