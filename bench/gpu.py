@@ -163,6 +163,27 @@ def prepare(model: CausalLM, mode: str, kernels: str, max_query: int, backend: s
         model.extend(torch.ones(context, dtype=torch.long, device=model.device))  # a prefill: eager
 
 
+def kernels_per_step(model: CausalLM, device: torch.device) -> int | None:
+    """CUDA kernels (and copies) one eager 1-token forward launches, by the profiler; None on CPU
+    or where the profiler records no device events."""
+    if device.type != "cuda":
+        return None
+    runner, model.runner = model.runner, None
+    context = model.cache.length
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            model.extend(torch.ones(1, dtype=torch.long, device=device))
+            torch.cuda.synchronize()
+        launched = sum(1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    except RuntimeError as error:  # a profiler without CUPTI: the count is informative, not needed
+        print("kernel count unavailable:", error, flush=True)
+        launched = 0
+    finally:
+        model.cache.rollback(context)
+        model.runner = runner
+    return launched or None
+
+
 def measure_mode(
     target: CausalLM, draft: CausalLM, configuration: tuple[str, str], args, device, bandwidth: float
 ) -> dict:
@@ -187,6 +208,9 @@ def measure_mode(
         "prepare_seconds": round(prepared, 2),
         "variants": 0 if target.runner is None else target.runner.num_variants + draft.runner.num_variants,
         "kernel_compilations": sum(sum(m.kernels.compilations.values()) for m in (target, draft)),
+        # launched per eager forward with these kernels (a graph replays the same ones)
+        "kernels_per_target_step": kernels_per_step(target, device),
+        "kernels_per_draft_step": kernels_per_step(draft, device),
         "target_step_1_ms": round(one * 1e3, 3),
         "verify_ms": {str(n): round(s * 1e3, 3) for n, s in verify.items()},
         "draft_step_ms": round(draft_step * 1e3, 3),
