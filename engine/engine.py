@@ -248,7 +248,15 @@ class SpecEngine:
                     model.cache.rollback(0)
                     model.extend([0] * num_tokens, num_logits=num_tokens)
             else:
-                model.runner.warm_up(layer_sets)
+                try:
+                    model.runner.warm_up(layer_sets)
+                except Exception as error:  # whatever capturing or compiling raised: say what to turn off
+                    hint = (
+                        "--kernels eager, or --enforce-eager" if model.kernels.mode == "compiled" else "--enforce-eager"
+                    )
+                    raise ConfigError(
+                        f"preparing the {self.config.forward_mode} forwards failed ({_root_cause(error)}); try {hint}"
+                    ) from error
                 variants += model.runner.num_variants
             model.cache.rollback(0)
         auto = self._drafters.get("auto")
@@ -287,12 +295,9 @@ class SpecEngine:
             for model in compiled:
                 model.warm_up_kernels()
         except Exception as error:  # whatever torch.compile or its backend raised
-            cause = error  # the backend's own error, under dynamo's wrapping
-            while getattr(cause, "inner_exception", None) or cause.__cause__:
-                cause = getattr(cause, "inner_exception", None) or cause.__cause__
-            reason = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+            reason = _root_cause(error)
             if required:
-                raise ConfigError(f"compiling the pointwise kernels failed ({reason}); use kernels=eager") from error
+                raise ConfigError(f"compiling the pointwise kernels failed ({reason}); use --kernels eager") from error
             for model in compiled:
                 model.use_kernels("eager")
             return f"pointwise kernels eager: compiling them failed ({reason})"
@@ -471,6 +476,13 @@ def _fitted_line(values: list[float]) -> list[float]:
     slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / spread if spread else 0.0
     slope = max(slope, 0.0)
     return [mean_y + slope * (x - mean_x) for x in range(n)]
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error under dynamo's wrapping, as "Type: first line of its message"."""
+    while getattr(error, "inner_exception", None) or error.__cause__:
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def build_engine(

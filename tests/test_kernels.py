@@ -81,7 +81,7 @@ def test_a_kernel_compile_failure_falls_back_to_eager_kernels_or_fails_start_up_
     target = tiny_llama(seed=3, vocab_size=96, init=0.2)
     draft = perturbed_copy(target, 0.05, seed=1)
     asked = tiny_engine(target, draft, kernels="compiled", compile_backend=_refusing_backend)
-    with pytest.raises(ConfigError, match="compiling the pointwise kernels failed .*C compiler.*use kernels=eager"):
+    with pytest.raises(ConfigError, match="compiling the pointwise kernels failed .*C compiler.*use --kernels eager"):
         asked.warm_up()
     # "auto" compiles them only under CUDA graphs; the fallback it takes where compiling fails:
     engine = tiny_engine(target, draft, kernels="compiled", compile_backend=_refusing_backend)
@@ -94,3 +94,21 @@ def test_a_kernel_compile_failure_falls_back_to_eager_kernels_or_fails_start_up_
         [t for step in e.generate(Request("r", [1, 2, 3, 4], params)) for t in step.token_ids] for e in (engine, eager)
     ]
     assert outputs[0] == outputs[1] and len(outputs[0]) == 12
+
+
+def _refusing_large_graphs(graph_module, example_inputs):
+    """A backend that compiles the kernels' small graphs and refuses a whole forward's."""
+    if len(graph_module.graph.nodes) > 60:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    return graph_module.forward
+
+
+def test_a_forward_that_cannot_be_prepared_stops_start_up_naming_what_to_turn_off():
+    engine = compiling_engine(forward="compile", kernels="compiled", compile_backend=_refusing_large_graphs)
+    with pytest.raises(ConfigError) as raised:
+        engine.warm_up()
+    message = str(raised.value)
+    assert message.startswith(
+        "preparing the compile forwards failed (RuntimeError: CUDA error: operation not permitted"
+    )
+    assert message.endswith("try --kernels eager, or --enforce-eager")

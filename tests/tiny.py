@@ -177,4 +177,5 @@ def compiling_engine(**options) -> SpecEngine:
     with aot_eager where ``options`` (EngineConfig fields) say to compile."""
     target = tiny_llama(seed=3, vocab_size=96, init=0.2)
     draft = perturbed_copy(target, 0.05, seed=1)
-    return tiny_engine(target, draft, num_draft_tokens=3, compile_backend="aot_eager", self_layers=(0,), **options)
+    options = {"compile_backend": "aot_eager", **options}
+    return tiny_engine(target, draft, num_draft_tokens=3, self_layers=(0,), **options)
