@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -18,6 +19,8 @@ from .runner import GraphRunner
 from .sampling import RequestSampler, SamplingParams
 from .spec import rejection_sample
 from .stats import DrafterSpeeds, SpecStats, StepRecord
+
+log = logging.getLogger(__name__)
 
 MAX_CHAINS = 16  # staged chains built for requests' own "stages", kept for reuse
 
@@ -300,6 +303,7 @@ class SpecEngine:
                 raise ConfigError(f"compiling the pointwise kernels failed ({reason}); use --kernels eager") from error
             for model in compiled:
                 model.use_kernels("eager")
+            log.warning("compiling the pointwise kernels failed (%s); they run eagerly (slower on a GPU)", reason)
             return f"pointwise kernels eager: compiling them failed ({reason})"
         count = sum(sum(model.kernels.compilations.values()) for model in compiled)
         return f"pointwise kernels compiled: {count} compilations in {time.perf_counter() - started:.1f} s"

@@ -77,7 +77,7 @@ def _refusing_backend(graph_module, example_inputs):
     raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
 
 
-def test_a_kernel_compile_failure_falls_back_to_eager_kernels_or_fails_start_up_when_asked_for():
+def test_a_kernel_compile_failure_falls_back_to_eager_kernels_or_fails_start_up_when_asked_for(caplog):
     target = tiny_llama(seed=3, vocab_size=96, init=0.2)
     draft = perturbed_copy(target, 0.05, seed=1)
     asked = tiny_engine(target, draft, kernels="compiled", compile_backend=_refusing_backend)
@@ -88,6 +88,7 @@ def test_a_kernel_compile_failure_falls_back_to_eager_kernels_or_fails_start_up_
     said = engine.compile_kernels(required=False)
     assert said.startswith("pointwise kernels eager: compiling them failed (RuntimeError: Failed to find C compiler")
     assert all(model.kernels.mode == "eager" for model in engine.models)
+    assert "they run eagerly" in caplog.text  # a warning in the log, besides the start-up line
     eager = tiny_engine(target, draft, kernels="eager")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = [
