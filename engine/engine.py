@@ -180,6 +180,7 @@ class SpecEngine:
             except ConfigError as exc:
                 self.drafter_problems[name] = str(exc)
         self.warm_up_report: WarmUp | None = None
+        self._compilations: int | None = None  # compiled variants and kernels as of warm-up (then as last seen)
         self.speeds = DrafterSpeeds()  # measured tokens/s by drafter, for /v1/models and the chat page
         # NO_DRAFTER, or with no draft model the default "model" drafter, means the target alone.
         target_alone = config.drafter == NO_DRAFTER or (draft is None and config.drafter == "model")
@@ -281,6 +282,7 @@ class SpecEngine:
             auto.expect_step_costs(verify, draft_step)
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
         seconds = time.perf_counter() - started
+        self._compilations = sum(model.compilations for model in self.models)
         self.warm_up_report = WarmUp(
             self.config.forward_mode, variants, seconds, graph_bytes, "; ".join(matmuls), kernels
         )
@@ -382,7 +384,18 @@ class SpecEngine:
             if finish is not None:
                 return
 
+    def _warn_of_recompiles(self) -> None:
+        """Compiled code that compiled again after warm-up met a shape warm-up did not prepare: a
+        stall while serving, and a step towards dynamo's recompile limit. Say so once per request."""
+        if self._compilations is None:
+            return
+        now = sum(model.compilations for model in self.models)
+        if now > self._compilations:
+            log.warning("%d compilations while serving since warm-up or the last warning", now - self._compilations)
+            self._compilations = now
+
     def _begin(self, request: Request) -> _Sequence:
+        self._warn_of_recompiles()
         prompt = list(request.prompt_ids)
         self.target.cache.reuse_prefix(prompt)
         name = request.drafter or self.default_drafter

@@ -264,6 +264,12 @@ class CausalLM:
         else:
             self.kernels = Pointwise.eager(self.norm_eps, self.activation)
 
+    @property
+    def compilations(self) -> int:
+        """How often this model's compiled code compiled: its runner's variants and its kernels."""
+        variants = sum(self.runner.compilations.values()) if self.runner is not None else 0
+        return variants + sum(self.kernels.compilations.values())
+
     def warm_up_kernels(self) -> None:
         """Compile the pointwise kernels now, by their first calls: eager forwards of one token
         (dynamo's own variant for a size of 1) and of three (any other number of tokens) at the start

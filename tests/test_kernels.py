@@ -65,6 +65,18 @@ def test_each_kernel_compiles_at_warm_up_and_never_while_serving():
     assert {id(model): dict(model.kernels.compilations) for model in engine.models} == compiled
 
 
+def test_a_compilation_after_warm_up_is_logged(caplog):
+    engine = compiling_engine(kernels="compiled")
+    engine.warm_up()
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    list(engine.generate(Request("quiet", [1, 2, 3], params)))
+    assert "compilations while serving" not in caplog.text
+    hidden = torch.ones(1, 2, engine.target.config.hidden_size, dtype=torch.float64)  # a dtype never warmed up
+    engine.target.kernels.rms_norm(hidden, engine.target.norm.weight.double())
+    list(engine.generate(Request("after", [1, 2, 3], params)))
+    assert "1 compilations while serving since warm-up" in caplog.text
+
+
 def test_kernels_are_compiled_only_under_cuda_graphs_unless_asked():
     assert EngineConfig(device="cpu").kernel_mode == "eager"
     assert EngineConfig(device="cpu", forward="compile").kernel_mode == "eager"  # the forward fuses them itself
