@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import ConfigError, EngineConfig
 from engine.engine import Request
 from engine.model import CausalLM
 from engine.runner import GraphRunner
 from engine.sampling import SamplingParams
-from tests.tiny import compiling_engine, perturbed_copy, serve_varied_requests, tiny_engine, tiny_llama
+from tests.tiny import (
+    compiling_engine,
+    perturbed_copy,
+    serve_varied_requests,
+    tiny_engine,
+    tiny_llama,
+    tiny_of_family,
+)
 
 FUNCTIONS = {"rms_norm", "add_rms_norm", "rotate", "gate"}
 
@@ -131,19 +137,7 @@ def test_a_forward_that_cannot_be_prepared_stops_start_up_naming_what_to_turn_of
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "mistral"])
 def test_compiled_kernels_serve_every_supported_family(model_type):
     """Qwen3's per-head norms stay eager around the compiled rotation; Qwen2's biases sit in the products."""
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_of_family(model_type, vocab_size=100)
     for param in model.parameters():
         param.data.normal_(0.0, 0.2)
     eager, fused = CausalLM(model, 64), CausalLM(model, 64)

@@ -6,13 +6,12 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.engine import Request
 from engine.matmul import FORMULATIONS, LONG, PACKED, MatmulPlan, PackedWeight, can_pack
 from engine.model import CausalLM
 from engine.sampling import SamplingParams
-from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
+from tests.tiny import perturbed_copy, tiny_engine, tiny_llama, tiny_of_family
 
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
@@ -30,17 +29,7 @@ def test_forward_in_chunks_matches_hugging_face():
 
 @pytest.mark.parametrize("held", ["dense", "packed"])
 def test_qwen2_biases_are_used(held):
-    config = Qwen2Config(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
+    model = tiny_of_family("qwen2", vocab_size=40)
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.bias.normal_()
     ids = list(range(12))

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from engine.config import EngineConfig
 from engine.drafters.medusa import MedusaHeads
@@ -53,6 +60,23 @@ def tiny_llama(seed: int, vocab_size: int, layers: int = 2, hidden: int = 32, in
         bos_token_id=None,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def tiny_of_family(model_type: str, vocab_size: int, seed: int = 0) -> PreTrainedModel:
+    """A tiny random model of another supported family ("qwen2", "qwen3", "mistral"), its shapes as
+    ``tiny_llama``'s."""
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def perturbed_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
