@@ -175,7 +175,7 @@ def kernels_per_step(model: CausalLM, device: torch.device) -> int | None:
             model.extend(torch.ones(1, dtype=torch.long, device=device))
             torch.cuda.synchronize()
         launched = sum(1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA)
-    except RuntimeError as error:  # a profiler without CUPTI: the count is informative, not needed
+    except Exception as error:  # a profiler without CUPTI, say: the count is informative, not needed
         print("kernel count unavailable:", error, flush=True)
         launched = 0
     finally:
