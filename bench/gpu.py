@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.adaptive import expected_tokens
+from engine.measure import median_seconds
 from engine.model import CausalLM
 from engine.runner import GraphRunner
 
@@ -65,7 +65,7 @@ CONFIGURATIONS = {
 SMOKE_CONFIGURATIONS = {
     "eager": ("eager", "eager"),
     "compile": ("compile", "eager"),
-    "compiled-kernels": ("eager", "compiled"),
+    "compile+compiled-kernels": ("compile", "compiled"),  # the GPU default's analogue: a runner, fused kernels
 }
 
 
@@ -87,18 +87,6 @@ def build(shape: dict, vocab: int, device: torch.device, dtype: torch.dtype, max
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def median_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def read_bandwidth(device: torch.device, megabytes: int) -> float:
@@ -244,25 +232,40 @@ def targets(result: dict, k: int) -> dict:
 
 
 def window_costs(hf_model, device, configuration: tuple[str, str], args) -> dict:
-    """The target's 1-token step near the start and near the end of 4k and 32k caches."""
-    out = {}
+    """The target's 1-token step near the start and near the end of 4k and 32k caches: with
+    attention as the runner chooses it per window (``choose_attention``: one SDPA call, or split),
+    and with one SDPA call everywhere; and the runner's per-layer attention timings."""
+    out: dict = {}
     mode, kernels = configuration
     for max_len in args.window_cache_sizes:
         model = CausalLM(hf_model, max_len)
         model.use_kernels(kernels, args.backend)
+        runners: dict[str, GraphRunner | None] = {"": None}
         if mode != "eager":
-            model.runner = GraphRunner(model, mode, max_query=1, backend=args.backend)
+            chosen = GraphRunner(model, mode, max_query=1, backend=args.backend)
+            chosen.choose_attention()
+            fused = GraphRunner(model, mode, max_query=1, backend=args.backend)
+            fused.attention = dict.fromkeys(fused.windows, 0)
+            runners = {"": chosen, "_sdpa": fused}
+            out[f"cache_{max_len}_attention_ms"] = {
+                str(window): {
+                    "sdpa": timed[0],
+                    "split": timed[1],
+                    "chosen": "split" if chosen.attention[window] else "sdpa",
+                }
+                for window, timed in chosen.attention_ms.items()
+            }
         model.extend(torch.ones(min(512, max_len // 2), dtype=torch.long, device=device))
         for context in sorted({min(512, max_len // 2), max_len - 16}):
-            if model.cache.length < context:  # fill the cache (prefill in chunks, eagerly)
-                runner, model.runner = model.runner, None
-                while model.cache.length < context:
-                    model.extend(torch.ones(min(2048, context - model.cache.length), dtype=torch.long, device=device))
+            model.runner = None  # fill the cache (prefill in chunks, eagerly)
+            while model.cache.length < context:
+                model.extend(torch.ones(min(2048, context - model.cache.length), dtype=torch.long, device=device))
+            for suffix, runner in runners.items():
                 model.runner = runner
-            out[f"cache_{max_len}_context_{context}_ms"] = round(
-                step_cost(model, context, 1, device, args.repeats) * 1e3, 3
-            )
-        del model
+                out[f"cache_{max_len}_context_{context}{suffix}_ms"] = round(
+                    step_cost(model, context, 1, device, args.repeats) * 1e3, 3
+                )
+        del model, runners
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -368,7 +371,7 @@ def main() -> None:
             min(args.new_tokens, 24),
             min(args.repeats, 3),
         )
-        args.window_cache_sizes = (256,)
+        args.window_cache_sizes = (256, 4096)  # 4096: a window long enough to choose its attention
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device; use --smoke on CPU")

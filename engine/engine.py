@@ -129,9 +129,10 @@ class WarmUp:
     graph_bytes: int  # device memory the captures reserved
     matmuls: str = ""  # eager CPU: what the measured MatmulPlans chose, per model
     kernels: str = ""  # how the pointwise kernels run, where they were compiled (or failed to be)
+    attention: str = ""  # the windows whose attention runs split (runner.choose_attention), per model
 
     def describe(self) -> str:
-        kernels = f"; {self.kernels}" if self.kernels else ""
+        kernels = "".join(f"; {part}" for part in (self.kernels, self.attention) if part)
         if self.forward == "cuda-graphs":
             captured = f"{self.variants} captured in {self.seconds:.1f} s, {self.graph_bytes / 2**20:,.0f} MiB"
             return f"CUDA graphs: {captured}{kernels}"
@@ -237,7 +238,7 @@ class SpecEngine:
         kernels = self.compile_kernels(required=self.config.kernels == "compiled")  # before any capture
         max_query = self.config.num_draft_tokens + 2
         variants = 0
-        matmuls = []
+        matmuls, attention = [], []
         self_drafter = self._drafters.get("self")
         for model in self.models:
             layer_sets = [model.all_layers]
@@ -262,6 +263,9 @@ class SpecEngine:
                         f"preparing the {self.config.forward_mode} forwards failed ({_root_cause(error)}); try {hint}"
                     ) from error
                 variants += model.runner.num_variants
+                if model.runner.describe_attention():
+                    role = "target" if model is self.target else "draft"
+                    attention.append(f"{role} {model.runner.describe_attention()}")
             model.cache.rollback(0)
         auto = self._drafters.get("auto")
         if auto is not None:
@@ -284,7 +288,7 @@ class SpecEngine:
         seconds = time.perf_counter() - started
         self._compilations = sum(model.compilations for model in self.models)
         self.warm_up_report = WarmUp(
-            self.config.forward_mode, variants, seconds, graph_bytes, "; ".join(matmuls), kernels
+            self.config.forward_mode, variants, seconds, graph_bytes, "; ".join(matmuls), kernels, "; ".join(attention)
         )
         return self.warm_up_report
 

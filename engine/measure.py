@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import statistics
 import time
 
 import torch
@@ -20,6 +21,25 @@ from .adaptive import expected_tokens
 from .model import CausalLM
 
 log = logging.getLogger(__name__)
+
+
+def median_seconds(fn, device: torch.device, repeats: int) -> float:
+    """The median of ``repeats`` timed calls of ``fn`` (after one untimed call), waiting for
+    ``device`` around each."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        started = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def read_seconds(model: CausalLM, num_tokens: int, repeats: int) -> float:

@@ -137,13 +137,19 @@ class CausalLM:
         return hidden, self.logits(hidden)
 
     def static_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, window: int, layers: tuple[int, ...]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        window: int,
+        layers: tuple[int, ...],
+        attention_chunks: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] at positions [T] -> (normalised hidden [T, E], logits [T, V]), attending
-        over the first ``window`` cache positions under a causal mask. Shapes depend only on T and
-        ``window``: this is what the runner compiles or captures."""
-        hidden = self._body(input_ids, positions, window, layers, True, input_ids.shape[0])  # [T, E]
-        return hidden, self.logits(hidden)
+        over the first ``window`` cache positions under a causal mask, by ``split_attention`` in
+        ``attention_chunks`` chunks (0: one SDPA call). Shapes depend only on T and ``window``: this
+        is what the runner compiles or captures."""
+        hidden = self._body(input_ids, positions, window, layers, True, input_ids.shape[0], attention_chunks)
+        return hidden, self.logits(hidden)  # [T, E], [T, V]
 
     @property
     def all_layers(self) -> tuple[int, ...]:
@@ -292,6 +298,7 @@ class CausalLM:
         layers: Sequence[int],
         masked: bool,
         num_out: int,
+        attention_chunks: int = 0,
     ) -> torch.Tensor:
         """input_ids [T] at positions [T], attending over cache positions [0, window) -> the final
         normalised hidden states [N, E] of the last ``num_out`` tokens. Each residual connection is
@@ -306,7 +313,7 @@ class CausalLM:
         for index in layers:
             layer = self.layers[index]
             hidden, x = self._add_norm(hidden, delta, layer.input_layernorm)
-            delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask)
+            delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, attention_chunks)
             hidden, x = self._add_norm(hidden, delta, layer.post_attention_layernorm)
             delta = self._mlp(layer.mlp, x)
         # every row, then the last ``num_out``: slices of the rows would be other shapes to compile
@@ -320,7 +327,7 @@ class CausalLM:
             return hidden, self.kernels.rms_norm(hidden, norm.weight)
         return self.kernels.add_rms_norm(hidden, delta, norm.weight)
 
-    def _attention(self, attn, x, index, positions, window, cos, sin, mask) -> torch.Tensor:
+    def _attention(self, attn, x, index, positions, window, cos, sin, mask, chunks: int = 0) -> torch.Tensor:
         num_new, heads, kv_heads, dim = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self._product(x, attn, "qkv_weight")  # [1, T, (H + 2 H_kv) D]
         v = qkv[..., (heads + kv_heads) * dim :].view(1, num_new, kv_heads, dim).transpose(1, 2)  # [1, H_kv, T, D]
@@ -336,7 +343,10 @@ class CausalLM:
         # The G = H / H_kv query heads sharing a KV head attend as G*T queries of that head: no copies
         # of keys and values, and a plain attention kernel (with a mask) serves grouped-query models.
         grouped = q.reshape(1, kv_heads, (heads // kv_heads) * num_new, dim)  # [1, H_kv, G*T, D]
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scaling)
+        if chunks:
+            out = split_attention(grouped, keys, values, mask, self.scaling, chunks)  # [1, H_kv, G*T, D]
+        else:
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scaling)
         out = out.reshape(1, heads, num_new, dim).transpose(1, 2).reshape(1, num_new, heads * dim)  # [1, T, H*D]
         return self._product(out, attn.o_proj, "weight")  # [1, T, E]
 
@@ -418,6 +428,40 @@ def _view_parts(
 def _fused_parts(module: nn.Module, name: str) -> list[nn.Module]:
     """The linear layers whose weights are views of ``module``'s fused weight ``name`` (none for others)."""
     return [getattr(module, part) for part in FUSED.get(name.removesuffix("_weight"), ())]
+
+
+def split_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, chunks: int
+) -> torch.Tensor:
+    """Attention over a long window with the work spread over ``chunks`` pieces of it. query
+    [1, H_kv, Q, D], keys and values [1, H_kv, W, D], mask [Q, W] (True: attend) -> [1, H_kv, Q, D].
+
+    One softmax over the whole window (exact, in float32), then each chunk's probabilities times
+    its values as one batched product, and the chunks' results summed. A decode query is a few rows
+    per KV head: one fused attention kernel parallelises over heads and query rows, so it leaves
+    most of a GPU idle while it streams a long window; the batched products here run
+    H_kv * chunks independent pieces at once."""
+    _, kv_heads, num_queries, dim = query.shape
+    window = keys.shape[2]
+    rows, columns = query[0], keys[0].transpose(-1, -2)  # [H_kv, Q, D], [H_kv, D, W]
+    if query.is_cuda and query.dtype != torch.float32:  # half-precision products, float32 scores
+        scores = torch.bmm(rows, columns, out_dtype=torch.float32)  # [H_kv, Q, W]
+    else:
+        scores = torch.bmm(rows, columns).float()
+    probs = (scores * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1).to(values.dtype)  # [H_kv, Q, W]
+    length = window // chunks
+    pieces = probs.view(kv_heads, num_queries, chunks, length).transpose(1, 2)  # [H_kv, C, Q, L]
+    partial = torch.matmul(pieces, values[0].view(kv_heads, chunks, length, dim))  # [H_kv, C, Q, D]
+    return partial.float().sum(dim=1).to(values.dtype)[None]  # [1, H_kv, Q, D]
+
+
+def attention_chunks(window: int, target_length: int = 1024, most: int = 64) -> int:
+    """How many equal chunks ``split_attention`` cuts a window into: about ``target_length``
+    positions each, at most ``most``, and a divisor of the window (1 where none fits)."""
+    chunks = min(most, max(1, window // target_length))
+    while window % chunks:
+        chunks -= 1
+    return chunks
 
 
 def upload(token_ids: list[int], device: torch.device) -> torch.Tensor:

@@ -11,6 +11,12 @@ positions under a causal mask (``CausalLM.static_forward``), the window being th
 sizes (powers of two from 256, and the cache length) that holds the last query position: reads stay
 within twice the live context however large ``--max-model-len`` is, at one variant per size.
 
+Attention over a long window (``SPLIT_MIN`` positions or more) may run as ``split_attention``
+instead of one SDPA call: at one decode query, a fused attention kernel parallelises over KV heads
+and query rows only, and an H200 took 27 ms for an 8B target's step at the end of a 32k cache
+against 6.5 ms at 512 positions. On CUDA, warm-up times one layer's attention both ways for each
+long window and keeps the faster (``attention``: window -> chunks, 0 for SDPA), so it can only help.
+
 Two ways to run the variants (``EngineConfig.forward``):
 - ``cuda-graphs``: each variant is a ``torch.cuda.CUDAGraph`` over static input buffers, all
   captured at start-up into one memory pool; a step copies its token ids and positions in, replays,
@@ -25,16 +31,23 @@ Two ways to run the variants (``EngineConfig.forward``):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .config import ConfigError
 from .kernels import counted_backend, fresh
+from .measure import median_seconds
+from .model import attention_chunks, split_attention
+
+log = logging.getLogger(__name__)
 
 MIN_WINDOW = 256
+SPLIT_MIN = 4096  # windows from this long may attend by split_attention, where warm-up measures it faster
 MODES = ("cuda-graphs", "compile")
 
 Key = tuple[int, int, tuple[int, ...]]  # (query length, window, layers)
@@ -75,6 +88,8 @@ class GraphRunner:
         self.seconds = 0.0  # spent compiling or capturing
         self._variants: dict[Key, Callable | _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda-graphs" else None
+        self.attention: dict[int, int] = {}  # window -> split_attention's chunks; absent or 0: one SDPA call
+        self.attention_ms: dict[int, tuple[float, float]] = {}  # window -> measured (SDPA, split) ms
 
     def handles(self, num_tokens: int) -> bool:
         """Decode-shaped: few enough new tokens to have a variant (prefill stays eager)."""
@@ -103,11 +118,31 @@ class GraphRunner:
         # every graph shares one pool: copy out before another replay can reuse this memory
         return variant.hidden.clone(), variant.logits.clone()
 
+    def choose_attention(self, repeats: int = 10) -> None:
+        """For each long window, time one layer's attention at a decode query as one SDPA call and
+        as ``split_attention``, and keep the faster for every variant of that window."""
+        for window in self.windows:
+            if window >= SPLIT_MIN and window not in self.attention:
+                try:
+                    fused, split = measure_attention(self.model, window, repeats)
+                except Exception as error:  # an optimisation that cannot run here: one SDPA call, as without it
+                    log.warning("split attention failed at window %d (%s); attention stays one call", window, error)
+                    self.attention[window] = 0
+                    continue
+                self.attention_ms[window] = (round(fused * 1e3, 3), round(split * 1e3, 3))
+                self.attention[window] = attention_chunks(window) if split < fused else 0
+
+    def describe_attention(self) -> str:
+        split = [window for window, chunks in sorted(self.attention.items()) if chunks]
+        return f"split attention at windows {', '.join(map(str, split))}" if split else ""
+
     @torch.inference_mode()  # as serving calls run: a compiled variant is guarded on the grad mode
     def warm_up(self, layer_sets: Iterable[tuple[int, ...]]) -> None:
         """Capture (or compile) every variant serving can ask for, so none is made while serving. It
         writes scratch keys and values at the first positions of the cache: call it before any
-        request, then roll the cache back."""
+        request, then roll the cache back. On CUDA it first chooses each long window's attention."""
+        if self.mode == "cuda-graphs":
+            self.choose_attention()
         for layers in layer_sets:
             for num_tokens in range(1, self.max_query + 1):
                 for window in self.windows:
@@ -130,10 +165,10 @@ class GraphRunner:
 
     def _compile(self, key: Key) -> Callable:
         _, window, layers = key
-        model = self.model
+        model, chunks = self.model, self.attention.get(window, 0)
 
         def step(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return model.static_forward(input_ids, positions, window, layers)
+            return model.static_forward(input_ids, positions, window, layers, chunks)
 
         # a fresh code object per variant: its own dynamo cache, so one compilation each
         backend = counted_backend(self.backend, self.compilations, key)
@@ -143,13 +178,31 @@ class GraphRunner:
         """Run the variant once for real (which also makes this call's keys and values right), then
         record it. Recording executes nothing, so the cache keeps what the real run wrote."""
         _, window, layers = key
+        chunks = self.attention.get(window, 0)
         static_ids, static_positions = input_ids.clone(), positions.clone()  # [T], [T]
         side = torch.cuda.Stream(self.model.device)  # warm-up off the capturing stream, as capture requires
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(side):
-            self.model.static_forward(static_ids, static_positions, window, layers)
+            self.model.static_forward(static_ids, static_positions, window, layers, chunks)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden, logits = self.model.static_forward(static_ids, static_positions, window, layers)
+            hidden, logits = self.model.static_forward(static_ids, static_positions, window, layers, chunks)
         return _Captured(graph, static_ids, static_positions, hidden, logits)
+
+
+@torch.inference_mode()
+def measure_attention(model, window: int, repeats: int = 10) -> tuple[float, float]:
+    """Median seconds of one layer's attention for a 1-token query over the first ``window``
+    positions of ``model``'s cache: (one SDPA call, ``split_attention``)."""
+    device, groups = model.device, model.num_heads // model.num_kv_heads
+    query = torch.randn(1, model.num_kv_heads, groups, model.head_dim, device=device, dtype=model.dtype)
+    keys, values = model.cache.keys[0, :, :, :window], model.cache.values[0, :, :, :window]  # [1, H_kv, W, D]
+    mask = torch.ones(groups, window, dtype=torch.bool, device=device)  # [G, W]
+    chunks = attention_chunks(window)
+    ways = (
+        lambda: F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=model.scaling),
+        lambda: split_attention(query, keys, values, mask, model.scaling, chunks),
+    )
+    fused, split = (median_seconds(way, device, repeats) for way in ways)
+    return fused, split

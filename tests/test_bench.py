@@ -24,14 +24,17 @@ def test_gpu_script_runs_on_cpu_with_small_sizes(tmp_path):
     report = json.loads(out.read_text())
     assert report["smoke"] and report["graphs_mode"] == "compile" and report["k"] == 2
     entry = report["dtypes"]["float32"]
-    for mode in ("eager", "compile", "compiled-kernels"):
+    for mode in ("eager", "compile", "compile+compiled-kernels"):
         costs = entry[mode]
         assert costs["target_step_1_ms"] > 0 and costs["draft_step_ms"] > 0 and set(costs["verify_ms"]) == {"2", "3"}
         assert set(costs["forced_acceptance_tokens_per_s"]) == {"0.6", "0.8", "1.0"}
         assert {"hbm_fraction_target_step", "verify_3_over_target_step", "predicted_speedup_at_0.8"} <= set(costs)
     assert entry["compile"]["variants"] > 0 and entry["compile"]["kernel_compilations"] == 0
-    assert entry["compiled-kernels"]["kernel_compilations"] == 16  # 4 functions x (1 token, more), 2 models
-    assert entry["default_configuration"] == "compiled-kernels" and entry["windows"]["compiled-kernels"]
+    assert entry["compile+compiled-kernels"]["kernel_compilations"] == 16  # 4 functions x (1 token, more), 2 models
+    assert entry["default_configuration"] == "compile+compiled-kernels"
+    windows = entry["windows"]["compile+compiled-kernels"]
+    assert set(windows["cache_4096_attention_ms"]) == {"4096"}  # the one window long enough to choose
+    assert windows["cache_4096_context_4080_ms"] > 0 and windows["cache_4096_context_4080_sdpa_ms"] > 0
     assert len(entry["targets"]) == 4 and all(set(check) == {"value", "met"} for check in entry["targets"].values())
 
 
