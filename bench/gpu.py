@@ -348,6 +348,11 @@ def engine_check(device: torch.device, dtypes: list[torch.dtype], graphs: str, a
     return results
 
 
+def save(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, compiled (aot_eager) for graphs")
@@ -402,6 +407,8 @@ def main() -> None:
         "graphs_mode": graphs,
         "dtypes": {},
     }
+    report["partial"] = True  # until the last part is written
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "gpu.json"
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     target_hf = build(shapes["target"], vocab, device, dtypes[0], max_len)
     draft_hf = build(shapes["draft"], vocab, device, dtypes[0], max_len)
@@ -431,6 +438,7 @@ def main() -> None:
         if dtype == dtypes[0]:
             entry["windows"] = {default: window_costs(target_hf, device, configurations[default], args)}
         report["dtypes"][name] = entry
+        save(report, out)  # what a run cut short by its time limit has measured so far
         del target, draft
         gc.collect()
         if device.type == "cuda":
@@ -440,9 +448,8 @@ def main() -> None:
     if not args.smoke:  # on CPU the same check is tests/test_lossless.py's compiled greedy suite
         report["engine_check"] = engine_check(device, [d for d in dtypes if d != torch.float32], graphs, args)
     report["seconds"] = round(time.perf_counter() - started, 1)
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    report.pop("partial")
+    save(report, out)
     print(json.dumps(report, indent=2))
 
 
