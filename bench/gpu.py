@@ -34,7 +34,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.adaptive import expected_tokens
-from engine.measure import median_seconds
+from engine.measure import median_seconds, synchronize
 from engine.model import CausalLM
 from engine.runner import GraphRunner
 
@@ -84,11 +84,6 @@ def build(shape: dict, vocab: int, device: torch.device, dtype: torch.dtype, max
     return model
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def read_bandwidth(device: torch.device, megabytes: int) -> float:
     data = torch.ones(megabytes * 2**20 // 2, dtype=torch.bfloat16, device=device)
     return data.nbytes / median_seconds(lambda: data.sum(), device, 9)
@@ -114,7 +109,7 @@ def forced_acceptance(
     draft.cache.rollback(context)
     pending = torch.ones(1, dtype=torch.long, device=device)  # [1] the token the target has not seen
     produced = 0
-    sync(device)
+    synchronize(device)
     start = time.perf_counter()
     while produced < new_tokens:
         base = target.cache.length
@@ -130,7 +125,7 @@ def forced_acceptance(
         target.cache.rollback(base + accepted + 1)
         draft.cache.rollback(min(draft.cache.length, base + accepted + 1))
         produced += accepted + 1
-    sync(device)
+    synchronize(device)
     return produced / (time.perf_counter() - start)
 
 
@@ -161,7 +156,7 @@ def kernels_per_step(model: CausalLM, device: torch.device) -> int | None:
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             model.extend(torch.ones(1, dtype=torch.long, device=device))
-            torch.cuda.synchronize()
+            synchronize(device)
         launched = sum(1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA)
     except Exception as error:  # a profiler without CUPTI, say: the count is informative, not needed
         print("kernel count unavailable:", error, flush=True)

@@ -241,12 +241,12 @@ class SpecEngine:
         matmuls, attention = [], []
         self_drafter = self._drafters.get("self")
         for model in self.models:
+            role = "target" if model is self.target else "draft"
             layer_sets = [model.all_layers]
             if model is self.target and self_drafter is not None:
                 layer_sets.append(self_drafter.layers)
             if model.runner is None:
                 if model.device.type == "cpu":
-                    role = "target" if model is self.target else "draft"
                     model.plan_matmuls(min(max_query, model.max_len))
                     matmuls.append(f"{role} {model.describe_products()}")
                 for num_tokens in range(1, min(max_query, model.max_len) + 1):
@@ -263,9 +263,9 @@ class SpecEngine:
                         f"preparing the {self.config.forward_mode} forwards failed ({_root_cause(error)}); try {hint}"
                     ) from error
                 variants += model.runner.num_variants
-                if model.runner.describe_attention():
-                    role = "target" if model is self.target else "draft"
-                    attention.append(f"{role} {model.runner.describe_attention()}")
+                split = model.runner.describe_attention()
+                if split:
+                    attention.append(f"{role} {split}")
             model.cache.rollback(0)
         auto = self._drafters.get("auto")
         if auto is not None:
@@ -286,7 +286,7 @@ class SpecEngine:
             auto.expect_step_costs(verify, draft_step)
         graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
         seconds = time.perf_counter() - started
-        self._compilations = sum(model.compilations for model in self.models)
+        self._compilations = self.compilations
         self.warm_up_report = WarmUp(
             self.config.forward_mode, variants, seconds, graph_bytes, "; ".join(matmuls), kernels, "; ".join(attention)
         )
@@ -388,12 +388,17 @@ class SpecEngine:
             if finish is not None:
                 return
 
+    @property
+    def compilations(self) -> int:
+        """How often the models' compiled code (runner variants, kernels) has compiled so far."""
+        return sum(model.compilations for model in self.models)
+
     def _warn_of_recompiles(self) -> None:
         """Compiled code that compiled again after warm-up met a shape warm-up did not prepare: a
         stall while serving, and a step towards dynamo's recompile limit. Say so once per request."""
         if self._compilations is None:
             return
-        now = sum(model.compilations for model in self.models)
+        now = self.compilations
         if now > self._compilations:
             log.warning("%d compilations while serving since warm-up or the last warning", now - self._compilations)
             self._compilations = now

@@ -29,15 +29,16 @@ def median_seconds(fn, device: torch.device, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        _synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         fn()
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -49,8 +50,7 @@ def read_seconds(model: CausalLM, num_tokens: int, repeats: int) -> float:
         model.cache.rollback(0)
         started = time.perf_counter()
         model.extend([0] * num_tokens)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
+        synchronize(model.device)
         best = min(best, time.perf_counter() - started)
     model.cache.rollback(0)
     return best

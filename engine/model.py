@@ -142,13 +142,13 @@ class CausalLM:
         positions: torch.Tensor,
         window: int,
         layers: tuple[int, ...],
-        attention_chunks: int = 0,
+        chunks: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] at positions [T] -> (normalised hidden [T, E], logits [T, V]), attending
         over the first ``window`` cache positions under a causal mask, by ``split_attention`` in
-        ``attention_chunks`` chunks (0: one SDPA call). Shapes depend only on T and ``window``: this
+        ``chunks`` chunks (0: one SDPA call). Shapes depend only on T and ``window``: this
         is what the runner compiles or captures."""
-        hidden = self._body(input_ids, positions, window, layers, True, input_ids.shape[0], attention_chunks)
+        hidden = self._body(input_ids, positions, window, layers, True, input_ids.shape[0], chunks)
         return hidden, self.logits(hidden)  # [T, E], [T, V]
 
     @property
@@ -298,7 +298,7 @@ class CausalLM:
         layers: Sequence[int],
         masked: bool,
         num_out: int,
-        attention_chunks: int = 0,
+        chunks: int = 0,
     ) -> torch.Tensor:
         """input_ids [T] at positions [T], attending over cache positions [0, window) -> the final
         normalised hidden states [N, E] of the last ``num_out`` tokens. Each residual connection is
@@ -313,7 +313,7 @@ class CausalLM:
         for index in layers:
             layer = self.layers[index]
             hidden, x = self._add_norm(hidden, delta, layer.input_layernorm)
-            delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, attention_chunks)
+            delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, chunks)
             hidden, x = self._add_norm(hidden, delta, layer.post_attention_layernorm)
             delta = self._mlp(layer.mlp, x)
         # every row, then the last ``num_out``: slices of the rows would be other shapes to compile
