@@ -278,7 +278,8 @@ def engine_check(device: torch.device, dtypes: list[torch.dtype], graphs: str, a
     from collections import Counter
 
     from engine.config import EngineConfig
-    from engine.engine import Request, build_engine
+    from engine.factory import build_engine, warm_up
+    from engine.request import Request
     from engine.sampling import SamplingParams
 
     shape = dict(
@@ -298,14 +299,14 @@ def engine_check(device: torch.device, dtypes: list[torch.dtype], graphs: str, a
         outputs, syncs = {}, {}
         for name, forward, drafter in (("eager-target-only", "eager", "none"), ("graphs-model", graphs, "model")):
             config = EngineConfig(
-                drafter="model",
+                drafter=drafter,
                 num_draft_tokens=args.k,
                 forward=forward,
                 max_model_len=1024,
                 compile_backend=args.backend,
             )
             engine = build_engine(config, target_hf, None if drafter == "none" else draft_hf, set())
-            engine.warm_up()
+            warm_up(engine)
             list(engine.generate(Request("warm", prompt, params, drafter=drafter)))  # compile/capture stragglers
             sites: Counter = Counter()
 

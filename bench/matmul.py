@@ -32,7 +32,7 @@ def step_ms(lm: CausalLM, plans: dict[str, MatmulPlan], num_new: int, repeats: i
     times: dict[str, list[float]] = {name: [] for name in plans}
     for _ in range(repeats):
         for name, plan in plans.items():
-            lm.use_plan(plan)  # packs or unpacks weights: untimed
+            lm.weights.use_plan(plan)  # packs or unpacks weights: untimed
             started = time.perf_counter()
             lm.extend(list(range(2000, 2000 + num_new)), num_logits=num_new)
             times[name].append(time.perf_counter() - started)
@@ -55,7 +55,7 @@ def main() -> None:
     for role, hf_model in (("target float32", models.target), ("draft bfloat16", models.draft)):
         lm = CausalLM(hf_model, 2048)
         started = time.perf_counter()
-        plan = lm.plan_matmuls(MAX_ROWS)
+        plan = lm.weights.plan_matmuls(MAX_ROWS)
         seconds = time.perf_counter() - started
         cases = [
             {
@@ -71,12 +71,12 @@ def main() -> None:
         steps = {f"{n} tokens": step_ms(lm, plans, n) for n in (1, 5)}
         steps["prompt of 1,500 tokens"] = {}
         for name, chosen in plans.items():
-            lm.use_plan(chosen)
+            lm.weights.use_plan(chosen)
             lm.cache.rollback(0)
             started = time.perf_counter()
             lm.extend(list(range(1000, 2500)))
             steps["prompt of 1,500 tokens"][name] = round((time.perf_counter() - started) * 1e3, 1)
-        lm.use_plan(plan)
+        lm.weights.use_plan(plan)
         report["models"][role] = {
             "measure_s": round(seconds, 2),
             "plan": plan.describe(),

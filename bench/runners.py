@@ -16,7 +16,8 @@ import httpx
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from engine.engine import Request, SpecEngine
+from engine.engine import SpecEngine
+from engine.request import Request
 from engine.sampling import SamplingParams
 
 # Tokens that arrive within this long of the first arrived with it: one ``put`` of a generate

@@ -40,7 +40,7 @@ from report import plot, summarise, summary, tables, update_readme  # noqa: E402
 from runners import EngineRunner, HFRunner, LlamaCppRunner, Run, ServerRunner  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine import build_engine  # noqa: E402
+from engine.factory import build_engine  # noqa: E402
 from engine.loader import embedded_gguf, eos_token_ids, load, load_draft  # noqa: E402
 from server.settings import DEFAULT_DRAFT  # noqa: E402
 
@@ -106,7 +106,9 @@ def main() -> None:
         # built from its own copies (an engine owns its models: packing or quantizing frees the
         # weights as the checkpoint held them, which HF's own runs here still need)
         models = load(EngineConfig(draft=HF_ASSISTANT, max_model_len=4096))
-        engine_config = EngineConfig(draft=args.draft, num_draft_tokens=args.num_draft_tokens, max_model_len=4096)
+        engine_config = EngineConfig(
+            draft=args.draft, drafter="model", num_draft_tokens=args.num_draft_tokens, max_model_len=4096
+        )
         draft = copy.deepcopy(models.draft) if args.draft == HF_ASSISTANT else load_draft(engine_config, models.target)
         eos = eos_token_ids(models.target, models.tokenizer)
         engine = build_engine(engine_config, copy.deepcopy(models.target), draft, eos)

@@ -1,7 +1,8 @@
 """The engine thread and the async client the server talks to.
 
 One thread owns the models. Requests wait in a FIFO queue and run one at a time; each request's
-outputs travel back to its event loop through its own asyncio queue.
+outputs travel back to its event loop through its own asyncio queue. The server sees the engine
+only through this client: its frozen ``description`` and the calls below.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from .engine import Request, SpecEngine, StepOutput
+from .engine import SpecEngine
+from .errors import ConfigError
+from .request import EngineDescription, Request, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class _Job:
 class AsyncEngine:
     """``load`` runs in the engine thread itself, so the thread that runs every forward pass is also
     the one that first touched the weights and the only one that ever starts CPU thread teams
-    (measured: a model loaded in one thread and run in another decodes about 15% slower on CPU)."""
+    (a model loaded in one thread and run in another decodes measurably slower on CPU)."""
 
     def __init__(
         self,
@@ -55,7 +58,8 @@ class AsyncEngine:
         on_abort: Callable[[float], None] = lambda seconds: None,
         on_death: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
-        self.engine: SpecEngine | None = None
+        self._engine: SpecEngine | None = None  # touched from the engine thread only, but for the calls below
+        self.description: EngineDescription | None = None  # set once the engine has loaded
         self._on_abort, self._on_death = on_abort, on_death  # called from the engine thread
         self._loaded: concurrent.futures.Future[SpecEngine] = concurrent.futures.Future()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -65,9 +69,21 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._main, args=(load,), name="specserve-engine", daemon=True)
         self._thread.start()
 
-    async def ready(self) -> SpecEngine:
+    async def ready(self) -> EngineDescription:
         """Wait for the load; raises what it raised."""
-        return await asyncio.wrap_future(self._loaded)
+        await asyncio.wrap_future(self._loaded)
+        return self.description
+
+    def check_drafter(self, name: str, stages: tuple[str, ...] | None = None) -> None:
+        """Raise a ConfigError unless a request may ask for drafter ``name`` (over ``stages``): it
+        builds nothing, so the serving thread may call it while the engine runs."""
+        if self._engine is None:
+            raise ConfigError("the engine has not loaded")
+        self._engine.drafters.check(name, stages)
+
+    def drafter_speeds(self) -> dict[str, float]:
+        """Tokens per second each drafter has made so far, for /v1/models and the chat page."""
+        return {} if self._engine is None else self._engine.speeds.tokens_per_second()
 
     @property
     def alive(self) -> bool:
@@ -118,11 +134,12 @@ class AsyncEngine:
 
     def _main(self, load: Callable[[], SpecEngine]) -> None:
         try:
-            self.engine = load()
+            self._engine = load()
+            self.description = self._engine.description
         except BaseException as exc:
             self._loaded.set_exception(exc)
             return
-        self._loaded.set_result(self.engine)
+        self._loaded.set_result(self._engine)
         try:
             self._run()
         except BaseException as exc:  # the loop itself died: fail everyone now, let the process go
@@ -139,11 +156,11 @@ class AsyncEngine:
                 continue
             self._running = job
             try:
-                for output in self.engine.generate(job.request, job.aborted.is_set):
+                for output in self._engine.generate(job.request, job.aborted.is_set):
                     job.send(output)
             except Exception as exc:  # one request failed: report it, reset, keep serving
                 log.exception("request %s failed", job.request.request_id)
-                self.engine.reset()
+                self._engine.reset()
                 job.send(exc)
             self._running = None  # not in a finally: if the loop dies, _fail_all still finds this job
             self._report_abort(job)

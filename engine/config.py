@@ -6,10 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message says which and why."""
-
+from .errors import ConfigError
 
 FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
 KERNEL_MODES = ("auto", "eager", "compiled")  # the pointwise work between products (engine/kernels.py)
@@ -28,7 +25,7 @@ COPY_FORMS = (*DTYPES, COPY_INT8, COPY_AUTO)
 class EngineConfig:
     target: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     draft: str | None = None  # a model ref, "copy:DTYPE" (the target in another dtype), or None for target alone
-    drafter: str = "model"  # the default for requests that name none; NO_DRAFTER: the target alone
+    drafter: str = "auto"  # the default for requests that name none; NO_DRAFTER: the target alone
     num_draft_tokens: int = 4
     device: str = "auto"
     dtype: str = "auto"
@@ -47,7 +44,6 @@ class EngineConfig:
     # token itself), "target" (copied from the target's cache, cast to the draft's dtype: the draft
     # reads one token per step), "auto" ("target" when the draft is a copy of the target).
     draft_kv: str = "auto"
-    fault_injection: bool = False  # test hook: requests may ask to fail at a given step
     # How decode-shaped forwards run (engine/runner.py): "auto" is CUDA graphs on a GPU and eager on
     # CPU; "eager" (--enforce-eager) never records; "compile" is torch.compile, for proving on CPU.
     forward: str = "auto"
@@ -81,7 +77,6 @@ class EngineConfig:
             raise ConfigError(
                 f"draft {self.draft!r}: a copy of the target is one of {', '.join(COPY_PREFIX + form for form in COPY_FORMS)}"
             )
-        check_stages(self.stages)
         if self.draft_kv not in DRAFT_KV:
             raise ConfigError(f"draft_kv must be one of {', '.join(DRAFT_KV)}, got {self.draft_kv!r}")
         if self.forward not in FORWARD_MODES:
@@ -129,30 +124,3 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
-
-
-def check_stages(stages: tuple[str, ...]) -> None:
-    """The staged drafter's chain: two or more registered drafters, each named once, every stage
-    after the first able to check the tokens of the stage before it."""
-    from .drafters.base import available, can_refine  # the registry imports this module
-
-    chain = ",".join(stages)
-    if len(stages) < 2:
-        raise ConfigError(f"stages must name at least two drafters, cheapest first (e.g. ngram,model), got {chain!r}")
-    for name in stages:
-        if name == "staged":
-            raise ConfigError(f"stages {chain!r}: the staged drafter cannot contain itself")
-        if name not in available():
-            raise ConfigError(f"stages {chain!r}: unknown drafter {name!r}; available: {', '.join(available())}")
-    repeated = sorted({name for name in stages if stages.count(name) > 1})
-    if repeated:
-        raise ConfigError(
-            f"stages {chain!r}: {repeated[0]!r} appears more than once; each drafter keeps one state (a model "
-            "stage its KV cache), so a chain names each drafter once"
-        )
-    for name in stages[1:]:
-        if not can_refine(name):
-            raise ConfigError(
-                f"stages {chain!r}: {name!r} cannot check another stage's tokens; "
-                f"only {', '.join(n for n in available() if can_refine(n))} can follow the first stage"
-            )

@@ -1,23 +1,54 @@
-"""From an ``EngineConfig`` to a running engine: load, wrap, size the caches once."""
+"""From an ``EngineConfig`` to a running engine: load, wrap, size the caches once, warm up."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import gc
+import logging
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
+import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .config import EngineConfig
-from .engine import SpecEngine, build_engine
+from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig
+from .drafters import check_stages
+from .engine import SpecEngine
+from .errors import ConfigError
 from .loader import eos_token_ids, load
+from .measure import choose_copy
+from .model import CausalLM
+from .runner import GraphRunner
 from .threads import set_threads, usable_cpus
 
+log = logging.getLogger(__name__)
+
 STAGES = ("tokenizer", "target", "draft", "caches", "warm-up")
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUp:
+    forward: str  # eager, cuda-graphs or compile
+    variants: int  # captured graphs
+    seconds: float
+    graph_bytes: int  # device memory the captures reserved
+    matmuls: str = ""  # eager CPU: what the measured MatmulPlans chose, per model
+    kernels: str = ""  # how the pointwise kernels run, where they were compiled (or failed to be)
+    attention: str = ""  # the windows whose attention runs split (runner.choose_attention), per model
+
+    def describe(self) -> str:
+        kernels = "".join(f"; {part}" for part in (self.kernels, self.attention) if part)
+        if self.forward == "cuda-graphs":
+            captured = f"{self.variants} captured in {self.seconds:.1f} s, {self.graph_bytes / 2**20:,.0f} MiB"
+            return f"CUDA graphs: {captured}{kernels}"
+        if self.forward == "compile":
+            return f"torch.compile: {self.variants} variants compiled in {self.seconds:.1f} s{kernels}"
+        chosen = f" (matmuls measured: {self.matmuls})" if self.matmuls else ""
+        return f"forward {self.forward}{chosen}, warmed up in {self.seconds:.1f} s{kernels}"
 
 
 @dataclass(slots=True)
@@ -46,17 +77,126 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
         eos = eos_token_ids(models.target, models.tokenizer)
         engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer))
         progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
-        progress(engine.warm_up().describe())
+        progress(warm_up(engine).describe())
     del models  # the draft copy that copy:auto did not keep, among what start-up no longer needs
     release_freed_memory()
     return LoadedEngine(engine, tokenizer, name)
 
 
 def release_freed_memory() -> None:
-    """Hand memory that start-up freed back to the system. glibc keeps freed heap pages mapped:
-    after copy:auto dropped the bfloat16 copy of the embedded model, the server held about 430 MB
-    more than it used (resident 1,977 MB, 1,547 MB after ``malloc_trim``)."""
+    """Hand memory that start-up freed back to the system: glibc keeps freed heap pages mapped, so
+    the copy copy:auto dropped would stay resident."""
     gc.collect()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def build_engine(
+    config: EngineConfig,
+    target_model: torch.nn.Module,
+    draft_model: torch.nn.Module | None,
+    eos_token_ids: set[int],
+    tokenizer_size: int | None = None,
+) -> SpecEngine:
+    """Wrap loaded Hugging Face models: caches are sized once, here, and reused for every request.
+    The engine owns them from now on: on CPU its warm-up may hold their weights in another form and
+    free the modules' own (``ProductWeights.use_plan``), so they are not for calling elsewhere after."""
+    limit = getattr(target_model.config, "max_position_embeddings", 4096)
+    max_len = config.max_model_len or min(limit, 4096)
+    target = CausalLM(target_model, max_len)
+    draft = CausalLM(draft_model, max_len) if draft_model is not None else None
+    measured_agreement = None
+    if draft is not None and config.draft_copy == COPY_INT8:
+        draft.weights.quantize_int8()
+    elif draft is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
+        draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens)
+        config = replace(config, draft=COPY_PREFIX + form)
+    for model in filter(None, (target, draft)):
+        model.use_kernels(config.kernel_mode, config.compile_backend)
+    mode = config.forward_mode
+    if mode != "eager":  # decode-shaped forwards: up to k drafts, a pending token, and a bonus row
+        for model in filter(None, (target, draft)):
+            model.runner = GraphRunner(model, mode, config.num_draft_tokens + 2, config.compile_backend)
+    check_stages(config.stages)  # the configured chain, whether or not the default drafter runs it
+    return SpecEngine(config, target, draft, eos_token_ids, tokenizer_size, measured_agreement)
+
+
+def warm_up(engine: SpecEngine) -> WarmUp:
+    """Run every decode shape before the first request. CUDA graphs are captured here; eager
+    kernels pay their first-call costs here instead of in the first request, whose step costs
+    the auto drafter learns from. Compiled forwards (the CPU proof) compile here, every variant
+    once. Then each drafter prepares what it needs (``Drafter.warm_up``)."""
+    config = engine.config
+    started = time.perf_counter()
+    device = engine.target.device
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    kernels = compile_kernels(engine, required=config.kernels == "compiled")  # before any capture
+    max_query = config.num_draft_tokens + 2
+    variants = 0
+    matmuls, attention = [], []
+    for model in engine.models:
+        role = "target" if model is engine.target else "draft"
+        layer_sets = [model.all_layers]
+        if model is engine.target:
+            layer_sets += engine.drafters.target_layer_sets()
+        if model.runner is None:
+            if model.device.type == "cpu":
+                model.weights.plan_matmuls(min(max_query, model.max_len))
+                matmuls.append(f"{role} {model.weights.describe()}")
+            for num_tokens in range(1, min(max_query, model.max_len) + 1):
+                model.cache.rollback(0)
+                model.extend([0] * num_tokens, num_logits=num_tokens)
+        else:
+            try:
+                model.runner.warm_up(layer_sets)
+            except Exception as error:  # whatever capturing or compiling raised: say what to turn off
+                hint = "--kernels eager, or --enforce-eager" if model.kernels.mode == "compiled" else "--enforce-eager"
+                raise ConfigError(
+                    f"preparing the {config.forward_mode} forwards failed ({root_cause(error)}); try {hint}"
+                ) from error
+            variants += model.runner.num_variants
+            split = model.runner.describe_attention()
+            if split:
+                attention.append(f"{role} {split}")
+        model.cache.rollback(0)
+    for drafter in engine.drafters.built.values():
+        drafter.warm_up()
+    graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
+    seconds = time.perf_counter() - started
+    engine.compiled = engine.compilations
+    report = WarmUp(
+        config.forward_mode, variants, seconds, graph_bytes, "; ".join(matmuls), kernels, "; ".join(attention)
+    )
+    engine.warm_up_report = report.describe()
+    return report
+
+
+def compile_kernels(engine: SpecEngine, required: bool) -> str:
+    """Compile each model's pointwise kernels, where they are compiled, and say how it went.
+    Where compiling fails (no C compiler for inductor's code, say), every model runs eager
+    kernels instead, unless ``required``: then the failure is a ConfigError."""
+    compiled = [model for model in engine.models if model.kernels.mode == "compiled"]
+    if not compiled:
+        return ""
+    started = time.perf_counter()
+    try:
+        for model in compiled:
+            model.warm_up_kernels()
+    except Exception as error:  # whatever torch.compile or its backend raised
+        reason = root_cause(error)
+        if required:
+            raise ConfigError(f"compiling the pointwise kernels failed ({reason}); use --kernels eager") from error
+        for model in compiled:
+            model.use_kernels("eager")
+        log.warning("compiling the pointwise kernels failed (%s); they run eagerly (slower on a GPU)", reason)
+        return f"pointwise kernels eager: compiling them failed ({reason})"
+    count = sum(sum(model.kernels.compilations.values()) for model in compiled)
+    return f"pointwise kernels compiled: {count} compilations in {time.perf_counter() - started:.1f} s"
+
+
+def root_cause(error: BaseException) -> str:
+    """The innermost error under dynamo's wrapping, as "Type: first line of its message"."""
+    while getattr(error, "inner_exception", None) or error.__cause__:
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"

@@ -1,23 +1,19 @@
 """The pointwise work between a layer's products, as four functions, run eagerly or compiled.
 
 Between its matrix products and attention, a Llama layer normalises twice, adds two residuals,
-rotates queries and keys, and gates its MLP: 17 of the 24 kernels a layer launches eagerly (counted
-per layer on CPU by ``bench/kernels.py``; a norm alone is a cast, the norm, a cast back and a
-scale), each reading and writing a few KB. On a GPU each costs a few microseconds of launch latency
-even inside a CUDA graph, which is most of what kept an 8B target at 62% of the HBM bound and a 1B
-draft step at 0.28x a target step on an H200. Compiled by inductor, each function is expected to
-become one fused GPU kernel (a reduction or a pointwise kernel; this has not run on a GPU yet), so a
-layer would launch about eleven: four products, the rotation, two cache writes, attention, two
-add-and-norms and the gate.
+rotates queries and keys, and gates its MLP: most of the kernels a layer launches eagerly, each
+reading and writing a few KB. On a GPU each costs a few microseconds of launch latency even inside a
+CUDA graph. Compiled by inductor, each function becomes one fused kernel, so a layer launches about
+eleven: four products, the rotation, two cache writes, attention, two add-and-norms and the gate.
+The counts and timings are in docs/gpu.md.
 
 Each model gets its own compiled copies (``Pointwise.compiled``): dynamo keeps its cache and its
 recompile limit per code object, so models sharing one would evict each other's variants. Each
 function is compiled with dynamic shapes, so any number of tokens runs one compiled variant (dynamo
 specialises one more for a single token): two compilations per function and model, counted in
 ``compilations``. The captured CUDA graphs (``engine/runner.py``) replay the fused kernels like any
-others. On CPU the calls into compiled code cost more than the kernels they fuse (the embedded
-model's 1-token step measured 18.1 ms eager against 21.7 ms compiled, ``bench/kernels.py``), so CPU
-serving stays eager.
+others. On CPU the calls into compiled code cost more than the kernels they fuse
+(``bench/kernels.py``), so CPU serving stays eager.
 """
 
 from __future__ import annotations

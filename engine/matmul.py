@@ -1,23 +1,18 @@
 """Small-row matrix products on CPU, in the formulation measured fastest on this host.
 
 A decode step multiplies 1 row by every weight; a verify multiplies k+1 rows. On the CPUs this
-project runs on, ``F.linear`` with 2 to 9 rows takes a BLAS path that costs 2-3x one row (SmolLM2's
-LM head: 35 ms for 5 rows against 13 ms for 1), while the same product with the weight first,
-``(W @ x.T).T``, costs 12 ms. In bfloat16 the same host has no fast many-row kernel: a draft
-reading a 512-token prompt through a 1536 x 576 weight took 58 ms, and 8 ms when the product ran in
-float32 (weight and input upcast on the fly). Which formulation wins depends on the CPU, the dtype
-and the row count, so a ``MatmulPlan`` is measured at start-up on the model's own weights, one
-choice per (weight shape, dtype, rows) for 1..max_rows rows and one for anything longer (measured
-at LONG_ROWS rows: prompts and a draft's catch-up). Upcasting only pays over many rows (converting
-the weight costs more than a few rows' product), and reversing the product only over a few (for a
-1,500-token float32 prompt it was 1.3x slower), so each is measured only where it can win.
+project runs on, ``F.linear`` with a few rows can take a BLAS path that costs several times one
+row, while the same product with the weight first, ``(W @ x.T).T``, does not; in bfloat16 a long
+input can run faster upcast to float32. Which formulation wins depends on the CPU, the dtype and
+the row count, so a ``MatmulPlan`` is measured at start-up on the model's own weights, one choice
+per (weight shape, dtype, rows) for 1..max_rows rows and one for anything longer (measured at
+LONG_ROWS rows: prompts and a draft's catch-up). Upcasting only pays over many rows and reversing
+the product only over a few, so each is measured only where it can win.
 
 A fifth candidate reads a copy of the weight that oneDNN reordered once into its own blocked layout
-(``PackedWeight``). Where it wins, the model holds only that copy (``CausalLM.use_plan``), so it is
-chosen per shape for every row count at once. On the Zen 5 host its cost stayed nearly flat from 1
-to 9 rows: 1.3-2.1x faster than the BLAS formulations at 5 rows, 5-24% slower than the padded
-product at 1 row in float32, and the embedded target's 5-token verify fell from 28.7 ms to 21.1 ms
-against 18.6 ms for one token (19.4 unpacked; ``bench/matmul.py``).
+(``PackedWeight``). Where it wins, the model holds only that copy (``ProductWeights.use_plan``), so
+it is chosen per shape for every row count at once. What the plan chose and measured on one host is
+in docs/internals.md ("The matmul plan").
 
 The formulations compute the same product; they may round differently in the last bit, as any two
 BLAS paths do (as the 1-row and the k+1-row paths always did).

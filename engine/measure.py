@@ -2,10 +2,8 @@
 
 The auto drafter prices its candidates from these timings before any request has run; ``copy:auto``
 chooses which copy of the target drafts (bfloat16, or int8 rows with bfloat16 activations) by the
-same measures. Hosts differ: on one Zen 3 host a bfloat16 step cost 0.55x a float32 target step and
-int8 rows about the same as bfloat16; on a Zen 5 host (avx512_bf16, avx512_vnni) bfloat16 cost 0.95x
-the target and int8 rows 0.45x, and with both models' weights packed for oneDNN (``PackedWeight``)
-bfloat16 0.69x. The bfloat16 copy is timed under its own measured plan, packed where that pays.
+same measures, because hosts differ in which copy steps faster (docs/drafters.md). The bfloat16
+copy is timed under its own measured plan, packed where that pays.
 """
 
 from __future__ import annotations
@@ -99,10 +97,10 @@ def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> 
     if target.device.type != "cpu":
         return bfloat16, "bfloat16", None
     int8 = CausalLM(copy.deepcopy(bfloat16.hf_model), bfloat16.max_len)
-    int8.quantize_int8()
+    int8.weights.quantize_int8()
     max_rows = num_draft_tokens + 2
     for model in (target, bfloat16):
-        model.plan_matmuls(min(max_rows, model.max_len))
+        model.weights.plan_matmuls(min(max_rows, model.max_len))
     k = max(num_draft_tokens, 1)
     verify = read_seconds(target, k + 1, repeats=2)
     rates, found, agreements = {}, {}, {}
@@ -114,3 +112,13 @@ def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> 
     chosen = max(rates, key=rates.__getitem__)
     log.info("draft copy:auto chose %s over %s", found[chosen], next(v for f, v in found.items() if f != chosen))
     return (int8 if chosen == "int8" else bfloat16), chosen, agreements[chosen]
+
+
+def fitted_line(values: list[float]) -> list[float]:
+    """The least-squares line through ``values`` (at x = 0, 1, ...), its slope at least 0."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    spread = sum((x - mean_x) ** 2 for x in range(n))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / spread if spread else 0.0
+    slope = max(slope, 0.0)
+    return [mean_y + slope * (x - mean_x) for x in range(n)]

@@ -12,21 +12,18 @@ capture it as a CUDA graph once per query length and window and replay it at any
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError
+from .attention import attend
+from .errors import ConfigError
 from .kernels import Pointwise
 from .kv import KVCache
-from .matmul import MatmulPlan, PackedWeight
+from .weights import FUSED, ProductWeights, fuse_linears
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# the linear layers each layer runs as one product (``fuse_linears``): attention's, then the MLP's
-FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
 class UnsupportedModel(ConfigError):
@@ -35,7 +32,8 @@ class UnsupportedModel(ConfigError):
 
 class CausalLM:
     """One model, its KV cache, and ``extend``: feed tokens, get logits. It owns ``hf_model``:
-    ``use_plan`` and ``quantize_int8`` free the weights they hold in another form."""
+    ``weights`` (``engine/weights.py``) may hold its products' weights in another form and free the
+    modules' own."""
 
     def __init__(self, hf_model: nn.Module, max_len: int) -> None:
         config = hf_model.config
@@ -63,7 +61,6 @@ class CausalLM:
         self.scaling = attn.scaling
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_len = max_len
-        self.fault: Callable[[torch.Tensor], torch.Tensor] | None = None  # test hook: applied once to the next logits
         self.last_hidden: torch.Tensor | None = None  # [N, E] normalised final hidden states of the last extend
         self._last_hidden_end = 0  # the position after the last row of last_hidden
         self.cache = KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
@@ -82,15 +79,11 @@ class CausalLM:
             raise UnsupportedModel("the layers' RMSNorms must share one epsilon (the config's rms_norm_eps)")
         self.activation = self.layers[0].mlp.act_fn
         self.kernels = Pointwise.eager(self.norm_eps, self.activation)
-        self.matmul = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
-        # products whose weight is held in another form, by (id(module), weight name): int8 rows
-        # (``quantize_int8``), or packed by oneDNN where the plan chose it (``use_plan``)
-        self.prepared: dict[tuple[int, str], Int8Weight | PackedWeight] = {}
-        self.int8 = False  # every product through int8 rows, none through the plan
+        self.weights = ProductWeights(self._products(), self.embed.weight)
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.hf_model.parameters()) + sum(w.nbytes for w in self.prepared.values())
+        return sum(p.nbytes for p in self.hf_model.parameters()) + self.weights.nbytes
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int] | torch.Tensor, num_logits: int = 1) -> torch.Tensor:
@@ -101,9 +94,6 @@ class CausalLM:
         self.cache.append(token_ids if isinstance(token_ids, list) else token_ids.shape[0])
         self.last_hidden = hidden  # [N, E] normalised, for drafters reading features
         self._last_hidden_end = self.cache.length
-        if self.fault is not None:
-            fault, self.fault = self.fault, None
-            logits = fault(logits)
         return logits
 
     def hidden_at(self, position: int) -> torch.Tensor | None:
@@ -159,9 +149,9 @@ class CausalLM:
         """Normalised hidden states [N, E] -> logits [N, V]."""
         if hidden.shape[0] == 0:  # a read for the cache alone (extend with num_logits=0)
             return hidden.new_empty(0, self.vocab_size)
-        return self._product(hidden, self.lm_head, "weight")
+        return self.weights.linear(hidden, self.lm_head, "weight")
 
-    def products(self) -> list[tuple[nn.Module, str]]:
+    def _products(self) -> list[tuple[nn.Module, str]]:
         """Every product a forward makes, as (module, weight attribute): the LM head, and per layer
         q/k/v as one, o, gate/up as one, down."""
         found = [(self.lm_head, "weight")]
@@ -169,89 +159,6 @@ class CausalLM:
             attn, mlp = layer.self_attn, layer.mlp
             found += [(attn, "qkv_weight"), (attn.o_proj, "weight"), (mlp, "gate_up_weight"), (mlp.down_proj, "weight")]
         return found
-
-    def linear_weights(self) -> list[torch.Tensor]:
-        """The floating-point weights a forward multiplies by, as the checkpoint holds them (the
-        ones ``plan_matmuls`` times); none held in another form."""
-        return [getattr(module, name) for module, name in self.products() if (id(module), name) not in self.prepared]
-
-    def dense_weight(self, module: nn.Module, name: str) -> torch.Tensor:
-        """A product's weight [O, I] as a plain tensor, wherever it is held packed (int8 rows: the
-        quantized model has no other)."""
-        held = self.prepared.get((id(module), name))
-        return held.dense() if isinstance(held, PackedWeight) else getattr(module, name)
-
-    def quantize_int8(self) -> None:
-        """Hold every product's weight as int8 rows with one scale each (``Int8Weight``), and free
-        the floating-point copy (the embedding table stays, also where the LM head shares it). A
-        different model, so only for drafts: verification keeps the output exactly the target's."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            raise ConfigError(f"int8 weights need a bfloat16 model on CPU, got {self.dtype} on {self.device}")
-        self.use_plan(MatmulPlan())
-        for module, name in self.products():
-            self.prepared[id(module), name] = Int8Weight.quantize(getattr(module, name), self._bias(module, name))
-            self._release(module, name)
-        self.int8 = True
-
-    def plan_matmuls(self, max_rows: int) -> MatmulPlan:
-        """On CPU, measure which product formulation is fastest for each weight shape at 1..max_rows
-        rows (decode and verify shapes) and use it from now on (a plan already measured that far
-        stays). Elsewhere products stay F.linear."""
-        if self.device.type == "cpu" and not self.int8 and self.matmul.max_rows < max_rows:
-            self.use_plan(MatmulPlan())  # measured on the weights as the checkpoint holds them
-            self.use_plan(MatmulPlan.measure(self.linear_weights(), max_rows))
-        return self.matmul
-
-    def use_plan(self, plan: MatmulPlan) -> None:
-        """Run products as ``plan`` says. A weight it packs is held packed and its dense copy freed
-        (the embedding table stays, also where the LM head shares it); a packed weight it does not
-        pack is made dense again, exactly as it was."""
-        for module, name in self.products():
-            held = self.prepared.get((id(module), name))
-            if isinstance(held, Int8Weight):
-                raise ConfigError("an int8 model's products run through its int8 rows, not a matmul plan")
-            weight = held if held is not None else getattr(module, name)
-            if held is None and plan.packs(weight):
-                self.prepared[id(module), name] = PackedWeight.pack(weight, self._bias(module, name), plan.max_rows)
-                self._release(module, name)
-            elif held is not None and not plan.packs(weight):
-                self._restore(module, name, self.prepared.pop((id(module), name)).dense())
-        self.matmul = plan
-
-    def describe_products(self) -> str:
-        """How this model's products run: "int8 rows", or what its ``MatmulPlan`` chose."""
-        return "int8 rows" if self.int8 else self.matmul.describe()
-
-    def _product(self, x: torch.Tensor, module: nn.Module, name: str) -> torch.Tensor:
-        """x [..., N, I] times ``module``'s weight ``name`` (and its bias, if any) -> [..., N, O]:
-        through the form ``prepared`` holds it in, else in the ``MatmulPlan``'s formulation."""
-        held = self.prepared.get((id(module), name)) if self.prepared else None
-        if held is not None:
-            return held.linear(x)
-        return self.matmul.linear(x, getattr(module, name), self._bias(module, name))
-
-    @staticmethod
-    def _bias(module: nn.Module, name: str) -> torch.Tensor | None:
-        return getattr(module, name.replace("weight", "bias"), None)
-
-    def _release(self, module: nn.Module, name: str) -> None:
-        """Free a product's floating-point weight, now held in another form: the tensor and, for a
-        fused weight, the layers' weights that are views of it. The embedding table stays."""
-        weight = getattr(module, name)
-        if weight.data_ptr() == self.embed.weight.data_ptr():
-            return
-        for tensor in [weight, *(linear.weight for linear in _fused_parts(module, name))]:
-            tensor.data = weight.new_empty(0)
-
-    def _restore(self, module: nn.Module, name: str, dense: torch.Tensor) -> None:
-        """Undo ``_release`` with the weight ``dense`` [O, I]: the fused layers' weights are views again."""
-        weight = getattr(module, name)
-        if weight.data_ptr() == self.embed.weight.data_ptr():
-            return
-        weight.data = dense
-        parts = _fused_parts(module, name)
-        if parts:
-            _view_parts(parts, getattr(module, name.replace("weight", "rows")), dense)
 
     def _input(self, token_ids: list[int] | torch.Tensor, start: int) -> torch.Tensor:
         num_new = len(token_ids) if isinstance(token_ids, list) else token_ids.shape[0]
@@ -329,7 +236,7 @@ class CausalLM:
 
     def _attention(self, attn, x, index, positions, window, cos, sin, mask, chunks: int = 0) -> torch.Tensor:
         num_new, heads, kv_heads, dim = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self._product(x, attn, "qkv_weight")  # [1, T, (H + 2 H_kv) D]
+        qkv = self.weights.linear(x, attn, "qkv_weight")  # [1, T, (H + 2 H_kv) D]
         v = qkv[..., (heads + kv_heads) * dim :].view(1, num_new, kv_heads, dim).transpose(1, 2)  # [1, H_kv, T, D]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
             q = attn.q_norm(qkv[..., : heads * dim].view(1, num_new, heads, dim))  # [1, T, H, D]
@@ -343,125 +250,16 @@ class CausalLM:
         # The G = H / H_kv query heads sharing a KV head attend as G*T queries of that head: no copies
         # of keys and values, and a plain attention kernel (with a mask) serves grouped-query models.
         grouped = q.reshape(1, kv_heads, (heads // kv_heads) * num_new, dim)  # [1, H_kv, G*T, D]
-        if chunks:
-            out = split_attention(grouped, keys, values, mask, self.scaling, chunks)  # [1, H_kv, G*T, D]
-        else:
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scaling)
+        out = attend(grouped, keys, values, mask, self.scaling, chunks)  # [1, H_kv, G*T, D]
         out = out.reshape(1, heads, num_new, dim).transpose(1, 2).reshape(1, num_new, heads * dim)  # [1, T, H*D]
-        return self._product(out, attn.o_proj, "weight")  # [1, T, E]
+        return self.weights.linear(out, attn.o_proj, "weight")  # [1, T, E]
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         # the layers ``fuse_linears`` stacked, as one product: fewer kernels, and on CPU a formulation
         # the ``MatmulPlan`` measured for the stacked shape (a verify's 5 rows through the 3072-row
         # MLP weight with ``F.linear`` took a slow BLAS path)
-        gated = self.kernels.gate(self._product(x, mlp, "gate_up_weight"))  # [1, T, 2I] -> [1, T, I]
-        return self._product(gated, mlp.down_proj, "weight")  # [1, T, E]
-
-
-@dataclass(frozen=True, slots=True)
-class Int8Weight:
-    """A weight [O, I] as int8 rows and one scale per row (symmetric: w ~ scale * q, q in -127..127).
-    On CPU, torch's weight-only int8 kernel reads it at a quarter of float32's bytes; on this
-    project's Zen 5 host it ran a 1-row product about 3x faster than the same weight in bfloat16."""
-
-    values: torch.Tensor  # [O, I] int8
-    scales: torch.Tensor  # [O] in the activations' dtype
-    bias: torch.Tensor | None = None  # [O]
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, block_rows: int = 4096) -> Int8Weight:
-        """weight [O, I] -> its int8 rows, each scaled by its largest magnitude over 127 (a block of
-        rows at a time, so an LM head needs no float32 copy of itself)."""
-        values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)  # [O, I]
-        scales = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)  # [O]
-        for start in range(0, weight.shape[0], block_rows):
-            rows = weight[start : start + block_rows].float()  # [B, I]
-            largest = rows.abs().amax(dim=1).clamp(min=1e-30)  # [B]
-            # the scale as the kernel reads it (in the weight's dtype), rounded up so 127 steps reach the largest
-            scale = (largest / 127).to(weight.dtype)  # [B]
-            scale = torch.where(scale.float() * 127 < largest, torch.nextafter(scale, scale.new_tensor(1e30)), scale)
-            values[start : start + block_rows] = torch.round(rows / scale.float()[:, None]).clamp(-127, 127)
-            scales[start : start + block_rows] = scale
-        return cls(values, scales, bias)
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.nbytes + self.scales.nbytes
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., N, I] -> [..., N, O]."""
-        rows = x.reshape(-1, x.shape[-1])  # [N, I]
-        out = torch._weight_int8pack_mm(rows, self.values, self.scales).view(*x.shape[:-1], self.values.shape[0])
-        return out if self.bias is None else out + self.bias
-
-
-def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
-    """Give ``module`` one weight ``{fused}_weight`` [sum of O, I] (and bias) stacking the named
-    linear layers, whose weights become views of it: one matrix product instead of several, and no
-    second copy in memory. Idempotent: a module already fused keeps its tensors."""
-    linears = [getattr(module, name) for name in names]
-    weight = getattr(module, f"{fused}_weight", None)
-    if weight is not None and linears[0].weight.data_ptr() == weight.data_ptr():
-        return
-    rows = tuple(linear.weight.shape[0] for linear in linears)
-    weight = torch.cat([linear.weight.data for linear in linears])  # [sum O, I]
-    biases = [linear.bias for linear in linears]
-    bias = None if any(b is None for b in biases) else torch.cat([b.data for b in biases])  # [sum O]
-    _view_parts(linears, rows, weight, bias)
-    setattr(module, f"{fused}_weight", weight)
-    setattr(module, f"{fused}_bias", bias)
-    setattr(module, f"{fused}_rows", rows)  # how to split it again (``CausalLM._restore``)
-
-
-def _view_parts(
-    linears: list[nn.Module], rows: tuple[int, ...], weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> None:
-    """Make each linear layer's weight (and bias) the view of its ``rows`` of the stacked ``weight``
-    [sum O, I] (and ``bias`` [sum O])."""
-    for linear, part in zip(linears, weight.split(rows), strict=True):
-        linear.weight.data = part
-    if bias is not None:
-        for linear, part in zip(linears, bias.split(rows), strict=True):
-            linear.bias.data = part
-
-
-def _fused_parts(module: nn.Module, name: str) -> list[nn.Module]:
-    """The linear layers whose weights are views of ``module``'s fused weight ``name`` (none for others)."""
-    return [getattr(module, part) for part in FUSED.get(name.removesuffix("_weight"), ())]
-
-
-def split_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, chunks: int
-) -> torch.Tensor:
-    """Attention over a long window with the work spread over ``chunks`` pieces of it. query
-    [1, H_kv, Q, D], keys and values [1, H_kv, W, D], mask [Q, W] (True: attend) -> [1, H_kv, Q, D].
-
-    One softmax over the whole window (exact, in float32), then each chunk's probabilities times
-    its values as one batched product, and the chunks' results summed. A decode query is a few rows
-    per KV head: one fused attention kernel parallelises over heads and query rows, so it leaves
-    most of a GPU idle while it streams a long window; the batched products here run
-    H_kv * chunks independent pieces at once."""
-    _, kv_heads, num_queries, dim = query.shape
-    window = keys.shape[2]
-    rows, columns = query[0], keys[0].transpose(-1, -2)  # [H_kv, Q, D], [H_kv, D, W]
-    if query.is_cuda and query.dtype != torch.float32:  # half-precision products, float32 scores
-        scores = torch.bmm(rows, columns, out_dtype=torch.float32)  # [H_kv, Q, W]
-    else:
-        scores = torch.bmm(rows, columns).float()
-    probs = (scores * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1).to(values.dtype)  # [H_kv, Q, W]
-    length = window // chunks
-    pieces = probs.view(kv_heads, num_queries, chunks, length).transpose(1, 2)  # [H_kv, C, Q, L]
-    partial = torch.matmul(pieces, values[0].view(kv_heads, chunks, length, dim))  # [H_kv, C, Q, D]
-    return partial.float().sum(dim=1).to(values.dtype)[None]  # [1, H_kv, Q, D]
-
-
-def attention_chunks(window: int, target_length: int = 1024, most: int = 64) -> int:
-    """How many equal chunks ``split_attention`` cuts a window into: about ``target_length``
-    positions each, at most ``most``, and a divisor of the window (1 where none fits)."""
-    chunks = min(most, max(1, window // target_length))
-    while window % chunks:
-        chunks -= 1
-    return chunks
+        gated = self.kernels.gate(self.weights.linear(x, mlp, "gate_up_weight"))  # [1, T, 2I] -> [1, T, I]
+        return self.weights.linear(gated, mlp.down_proj, "weight")  # [1, T, E]
 
 
 def upload(token_ids: list[int], device: torch.device) -> torch.Tensor:

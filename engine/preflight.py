@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .config import COPY_PREFIX, NO_DRAFTER, ConfigError, EngineConfig
-from .drafters import available
+from .drafters import available, check_stages
 from .drafters.medusa import check_checkpoint
 from .loader import locate
 
@@ -57,6 +57,10 @@ def preflight(config: EngineConfig) -> list[str]:
             problems.append(f"{role}: {exc}")
     if config.drafter not in (*available(), NO_DRAFTER):
         problems.append(f"unknown drafter {config.drafter!r}; available: {', '.join([*available(), NO_DRAFTER])}")
+    try:
+        check_stages(config.stages)
+    except ConfigError as exc:
+        problems.append(str(exc))
     if config.self_layers is not None:
         if not config.self_layers:
             problems.append("self_layers: give at least one layer index, e.g. 0,1,2,20,21")

@@ -13,8 +13,7 @@ within twice the live context however large ``--max-model-len`` is, at one varia
 
 Attention over a long window (``SPLIT_MIN`` positions or more) may run as ``split_attention``
 instead of one SDPA call: at one decode query, a fused attention kernel parallelises over KV heads
-and query rows only, and an H200 took 27 ms for an 8B target's step at the end of a 32k cache
-against 6.5 ms at 512 positions. On CUDA, warm-up times one layer's attention both ways for each
+and query rows only, so it leaves most of a GPU idle over a long window (docs/gpu.md). On CUDA, warm-up times one layer's attention both ways for each
 long window and keeps the faster (``attention``: window -> chunks, 0 for SDPA), so it can only help.
 
 Two ways to run the variants (``EngineConfig.forward``):
@@ -39,10 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .attention import attention_chunks, split_attention
 from .config import ConfigError
 from .kernels import counted_backend, fresh
 from .measure import median_seconds
-from .model import attention_chunks, split_attention
 
 log = logging.getLogger(__name__)
 

@@ -3,17 +3,8 @@
 torch counts the host's cores. A container's CPU quota, a narrowed affinity mask, or a second
 replica on the same cores make that count wrong; and an OpenMP team that spins while it waits
 holds cores another process needs, so two processes on the same cores slow each other down far
-more than sharing alone would.
-
-Measured on a 2-core host (`bench/threads.py`: the README's chat request, 105 tokens, the embedded
-default, seconds; "two" runs one request on each of two processes at once):
-
-| OpenMP waiting | alone | two, 2 threads each | two, 1 thread each |
-|---|---|---|---|
-| libgomp default: spin 300,000 times, then sleep | 7.3 | 41.5 | |
-| spin 10,000 times | 7.8 | 33.4 | 10.1 |
-| spin 1,000 times (the default here) | 8.6 | 14.5 | 10.7 |
-| sleep at once (OMP_WAIT_POLICY=PASSIVE) | 9.1 | 12.4 | 9.6 |
+more than sharing alone would. So the thread count follows the CPUs this process may really use,
+and the team spins briefly before it sleeps (measured in docs/deployment.md, "Threads").
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def train_heads(
     target: CausalLM, features: torch.Tensor, labels: torch.Tensor, num_heads: int, seconds: float, batch: int = 64
 ) -> tuple[MedusaHeads, dict]:
     heads = MedusaHeads(num_heads, features.shape[1])
-    lm_head = target.dense_weight(target.lm_head, "weight").detach().float()  # [V, E], frozen and shared
+    lm_head = target.weights.dense(target.lm_head, "weight").detach().float()  # [V, E], frozen and shared
     optimiser = torch.optim.AdamW(heads.parameters(), lr=1e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
     # Hold out the last tenth as one block: neighbouring positions of one text are too alike to test on.

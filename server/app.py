@@ -1,4 +1,4 @@
-"""The FastAPI application: thin routes over ``OpenAIServing``.
+"""The FastAPI application: thin routes over the serving layer (``Serving``).
 
 The model loads in a background thread after the server starts, so ``/health`` can answer 503
 while it loads; a load that fails ends the process with a clear message and exit code 2.
@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,25 +30,25 @@ from engine.async_engine import AsyncEngine
 from engine.config import ConfigError
 from engine.engine import SpecEngine
 from engine.factory import LoadedEngine
+from engine.request import EngineDescription
 
+from .chat import ChatServing
+from .completions import CompletionsServing
 from .errors import EngineUnavailable, ModelNotFound, install_error_handlers
 from .guard import Guard, GuardState
 from .metrics import Metrics
-from .protocol import (
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses import (
     GENERATION_RESPONSES,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     now,
 )
-from .serving import OpenAIServing
+from .serving import ServingCore
 from .settings import ServeSettings
 from .streaming import sse_response
 
@@ -57,7 +58,20 @@ CHAT_PAGE = Path(__file__).parent / "static" / "index.html"
 T = TypeVar("T")
 
 
-def _serving(request: Request) -> OpenAIServing:
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """What the routes call once the engine has loaded: the core and the two generation endpoints."""
+
+    core: ServingCore
+    completions: CompletionsServing
+    chat: ChatServing
+
+    @classmethod
+    def over(cls, core: ServingCore) -> Serving:
+        return cls(core, CompletionsServing(core), ChatServing(core))
+
+
+def _serving(request: Request) -> Serving:
     serving = request.app.state.serving
     if serving is None:
         raise EngineUnavailable("the model is still loading")
@@ -71,7 +85,7 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "loading"}, status_code=503)
     if request.app.state.guard.draining:
         return JSONResponse({"status": "shutting down"}, status_code=503)
-    alive = serving.engine.alive
+    alive = serving.core.engine.alive
     return JSONResponse({"status": "ok" if alive else "engine dead"}, status_code=200 if alive else 503)
 
 
@@ -87,15 +101,15 @@ async def metrics(request: Request) -> Response:
 
 
 def _card(request: Request) -> ModelCard:
-    serving = _serving(request)
-    engine = serving.engine.engine
+    core = _serving(request).core
+    described = core.description
     return ModelCard(
-        id=serving.model_name,
+        id=core.model_name,
         created=request.app.state.started,
-        drafters=[*engine.runnable_drafters, "none"],
-        default_drafter=engine.default_drafter or "none",
-        drafter_tokens_per_s=engine.speeds.tokens_per_second(),
-        draft=engine.config.draft if engine.draft is not None else None,
+        drafters=[*described.runnable_drafters, "none"],
+        default_drafter=described.default_drafter or "none",
+        drafter_tokens_per_s=core.engine.drafter_speeds(),
+        draft=described.draft,
     )
 
 
@@ -114,20 +128,22 @@ async def model(model_id: str, request: Request) -> ModelCard:
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request):
-    serving = _serving(request)
-    body.from_caller(request.headers.get("authorization"))
-    if body.stream:
-        return sse_response(await serving.completion_stream(body))
-    return await _unless_disconnected(request, serving.completion(body))
+    return await _respond(_serving(request).completions, body, request)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    serving = _serving(request)
+    return await _respond(_serving(request).chat, body, request)
+
+
+async def _respond(
+    endpoint: CompletionsServing | ChatServing, body: CompletionRequest | ChatCompletionRequest, request: Request
+):
+    """A stream of SSE events, or the whole response unless the client leaves first."""
     body.from_caller(request.headers.get("authorization"))
     if body.stream:
-        return sse_response(await serving.chat_stream(body))
-    return await _unless_disconnected(request, serving.chat(body))
+        return sse_response(await endpoint.stream(body))
+    return await _unless_disconnected(request, endpoint.create(body))
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -153,12 +169,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    return _serving(request).tokenize(body)
+    return _serving(request).core.tokenize(body)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    return _serving(request).detokenize(body)
+    return _serving(request).core.detokenize(body)
 
 
 def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None = None) -> FastAPI:
@@ -195,10 +211,9 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
         app.state.metrics.queue_depth.set_function(lambda: engine.queue_depth)
         app.state.metrics.running.set_function(lambda: engine.running)
         name = settings.served_model_name or loaded.model_name
-        app.state.serving = OpenAIServing(
-            engine, loaded.tokenizer, name, app.state.metrics, request_timeout=settings.request_timeout
-        )
-        log.info("%s", startup_summary(loaded.engine, name, settings))
+        core = ServingCore(engine, loaded.tokenizer, name, app.state.metrics, request_timeout=settings.request_timeout)
+        app.state.serving = Serving.over(core)
+        log.info("%s", startup_summary(engine.description, name, settings))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -227,20 +242,19 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
     return app
 
 
-def startup_summary(engine: SpecEngine, name: str, settings: ServeSettings) -> str:
+def startup_summary(engine: EngineDescription, name: str, settings: ServeSettings) -> str:
     """One line saying what runs where: models, device, dtype, drafter, k, memory, URL."""
-    target, draft = engine.target, engine.draft
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux reports kB)
     drafter = engine.default_drafter or "none (target alone)"
     others = ", ".join(name for name in engine.runnable_drafters if name != engine.default_drafter) or "none"
-    k = "adaptive, up to " if engine.config.adaptive_k else ""
-    draft_text = "none" if draft is None else f"{engine.config.draft} ({str(draft.dtype).removeprefix('torch.')})"
+    k = "adaptive, up to " if engine.adaptive_k else ""
+    draft_text = "none" if engine.draft is None else f"{engine.draft} ({engine.draft_dtype})"
     return (
-        f"ready: serving {name!r} at http://{settings.host}:{settings.port} | target on {target.device}, "
-        f"{str(target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads | draft {draft_text} | "
-        f"drafter {drafter}, k={k}{engine.config.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
+        f"ready: serving {name!r} at http://{settings.host}:{settings.port} | target on {engine.device}, "
+        f"{engine.dtype}, {torch.get_num_threads()} threads | draft {draft_text} | "
+        f"drafter {drafter}, k={k}{engine.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
         f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
-        + (f" | {engine.warm_up_report.describe()}" if engine.warm_up_report else "")
+        + (f" | {engine.warm_up}" if engine.warm_up else "")
         + (" | API key required" if settings.api_key else "")
     )
 

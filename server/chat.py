@@ -8,23 +8,22 @@ from collections.abc import AsyncIterator
 from engine.grammar import GrammarCompiler, GrammarError
 
 from .errors import BadRequest
-from .generation import Choice, ServingCore, TokenPiece, UsageTotals
-from .protocol import (
+from .protocol import ChatCompletionRequest, ResponseFormat
+from .responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
-    ResponseFormat,
     ToolCallDelta,
     TopLogprob,
     new_id,
     now,
 )
+from .serving import Choice, ServingCore, TokenPiece, UsageTotals
 from .tools import ToolCallStream, parse_tool_calls, plan_tools
 
 log = logging.getLogger(__name__)
@@ -33,17 +32,24 @@ log = logging.getLogger(__name__)
 TOOLS_IGNORED = "this model's chat template leaves tools out of the prompt: the model does not see them"
 
 
-class ChatServing(ServingCore):
-    _warned_tools = False  # the tools warning goes to the log once per server
+class ChatServing:
+    """/v1/chat/completions over the serving core: ``create`` and ``stream``."""
+
+    def __init__(self, core: ServingCore) -> None:
+        self.core = core
+        self._grammars: GrammarCompiler | None = None  # built on first use: it indexes the whole vocabulary
+        self._warned_tools = False  # the tools warning goes to the log once per server
 
     def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> tuple[list[int], list[str]]:
         """The prompt's token ids, and warnings for the client (tools the chat template leaves out)."""
-        if not self.tokenizer.chat_template:
+        if not self.core.tokenizer.chat_template:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
         messages = [message.template_dict() for message in body.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-            without_tools = tools and self.tokenizer.apply_chat_template(
+            text = self.core.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+            without_tools = tools and self.core.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # templates raise their own errors (e.g. roles out of order)
@@ -54,20 +60,20 @@ class ChatServing(ServingCore):
             if not self._warned_tools:
                 self._warned_tools = True
                 log.warning("%s (logged once)", TOOLS_IGNORED)
-        return self.tokenizer(text, add_special_tokens=False).input_ids, warnings
+        return self.core.tokenizer(text, add_special_tokens=False).input_ids, warnings
 
     def prepare_chat(self, body: ChatCompletionRequest) -> list[Choice]:
-        self.check_model(body.model)
+        self.core.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs requires logprobs: true", "top_logprobs")
         tools = plan_tools(body)
         prompt_ids, warnings = self.chat_prompt(body, tools.tools)
         requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = requested or max(1, self.engine.engine.max_model_len - len(prompt_ids))
+        max_tokens = requested or max(1, self.core.description.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs)
-        self._check_fits(prompt_ids, params.max_tokens, "max_completion_tokens" if requested else "messages")
-        choices = self._choices(body, [prompt_ids], params, [""])
+        params = self.core.sampling_params(body, max_tokens, logprobs)
+        self.core.check_fits(prompt_ids, params.max_tokens, "max_completion_tokens" if requested else "messages")
+        choices = self.core.choices(body, [prompt_ids], params, [""])
         if tools.forced_schema is not None:
             grammar = self._grammar(ResponseFormat(type="json_schema", json_schema={"schema": tools.forced_schema}))
         else:
@@ -80,7 +86,9 @@ class ChatServing(ServingCore):
         if response_format is None or response_format.type == "text":
             return None
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.engine.engine.eos_token_ids)
+            self._grammars = GrammarCompiler(
+                self.core.tokenizer, self.core.vocab_size, self.core.description.eos_token_ids
+            )
         if response_format.type == "json_object":
             return self._grammars.json_object()
         if response_format.json_schema is None:
@@ -96,7 +104,7 @@ class ChatServing(ServingCore):
         content = []
         for piece in pieces:
             top = [
-                TopLogprob(token=self._token_text(t), logprob=lp, bytes=list(self.token_bytes(t)))
+                TopLogprob(token=self.core.token_text(t), logprob=lp, bytes=list(self.core.token_bytes(t)))
                 for t, lp in piece.logprob.top
             ]
             content.append(
@@ -106,12 +114,12 @@ class ChatServing(ServingCore):
             )
         return ChatLogprobs(content=content)
 
-    async def chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
+    async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
         choices, totals = [], UsageTotals()
         prepared = self.prepare_chat(body)
         for choice in prepared:
             parts, pieces = [], []
-            async for delta in self._generate(choice, "chat"):
+            async for delta in self.core.generate(choice, "chat"):
                 parts.append(delta.text)
                 pieces.extend(delta.pieces or [])
             totals.add(delta, choice.first_of_prompt)
@@ -125,26 +133,26 @@ class ChatServing(ServingCore):
         return ChatCompletionResponse(
             id=new_id("chatcmpl"),
             created=now(),
-            model=self.model_name,
+            model=self.core.model_name,
             choices=choices,
             usage=totals.usage(),
             warnings=prepared[0].warnings or None,
         )
 
-    async def chat_stream(self, body: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+    async def stream(self, body: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
         return self._chat_chunks(body, self.prepare_chat(body))
 
     async def _chat_chunks(
         self, body: ChatCompletionRequest, choices: list[Choice]
     ) -> AsyncIterator[ChatCompletionChunk]:
-        chunk, totals = self._stream_chunks(ChatCompletionChunk, "chatcmpl"), UsageTotals()
+        chunk, totals = self.core.stream_chunks(ChatCompletionChunk, "chatcmpl"), UsageTotals()
 
         for choice in choices:
             first = chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
             first.warnings = (choice is choices[0] and choice.warnings) or None
             yield first
             tool_stream = ToolCallStream(choice.tools.names) if choice.tools and choice.tools.parse else None
-            async for delta in self._generate(choice, "chat"):
+            async for delta in self.core.generate(choice, "chat"):
                 text, calls, finish = delta.text, [], delta.finish_reason
                 if tool_stream is not None:
                     text = tool_stream.push(text)

@@ -15,10 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; mod
 os.environ.setdefault("TQDM_DISABLE", "1")  # no library's bars; specserve's loading bar turns itself on
 set_wait_policy()
 
-from engine.config import DRAFT_KV, ConfigError  # noqa: E402  (imports torch)
+from engine.config import ConfigError  # noqa: E402  (imports torch)
 
 from .logs import configure_logging  # noqa: E402
-from .settings import ServeSettings  # noqa: E402
+from .settings import ServeSettings, add_arguments  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,72 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--config", default=None, help="YAML preset (see configs/; or SPECSERVE_CONFIG); flags override it"
     )
-    serve.add_argument("--target", help="model folder, hub id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    serve.add_argument(
-        "--draft",
-        help="draft model ref, copy:FORM (the target as bfloat16, float16, float32, int8 rows, or auto: the faster of bfloat16 and int8 here), or none",
-    )
-    serve.add_argument(
-        "--drafter", help="drafting strategy (default: auto; none: the target alone unless a request asks)"
-    )
-    serve.add_argument("--num-draft-tokens", type=int, help="tokens drafted per speculative step (default 4)")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8000)")
-    serve.add_argument("--device", choices=["cpu", "cuda", "auto"], help="where the models run (default auto)")
-    serve.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights' dtype (default auto: bfloat16 on GPU, float32 on CPU)",
-    )
-    serve.add_argument("--max-model-len", type=int, help="context length; KV caches are sized to it once")
-    serve.add_argument("--served-model-name", help="model id clients use (default: the target ref)")
-    serve.add_argument("--seed", type=int, help="seed for requests that bring none")
-    serve.add_argument(
-        "--threads", type=int, help="CPU threads (or SPECSERVE_THREADS; default: the CPUs this process may use)"
-    )
-    serve.add_argument(
-        "--adaptive-k", action="store_true", help="choose k per step (up to --num-draft-tokens) from measured costs"
-    )
-    serve.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="on a GPU, run every forward eagerly: no CUDA graphs, no compiled kernels (on CPU forwards are always eager)",
-    )
-    serve.add_argument(
-        "--kernels",
-        choices=("auto", "eager", "compiled"),
-        help="the norms, rotary and MLP gate between products: fused by torch.compile, or eager "
-        "(default auto: compiled under CUDA graphs, eager where compiling fails and on CPU)",
-    )
-    serve.add_argument("--min-draft-confidence", type=float, help="model drafts stop below this top probability")
-    serve.add_argument("--self-layers", help="layers the self drafter runs, e.g. 0,1,2,20,21 (default: calibrated)")
-    serve.add_argument(
-        "--medusa-heads", help="Medusa head checkpoint folder (default: the heads shipped for the target)"
-    )
-    serve.add_argument("--stages", help="the staged drafter's chain, cheapest first (default ngram,model)")
-    serve.add_argument(
-        "--draft-kv",
-        choices=DRAFT_KV,
-        help="where a draft model's keys and values for accepted tokens come from: its own forward, or the "
-        "target's cache (one draft row per step); auto: the target's when the draft is a copy:FORM of it",
-    )
-    serve.add_argument(
-        "--suffix-global",
-        choices=["on", "off"],
-        help="suffix drafter: also match recent outputs of the same API key and user (default on)",
-    )
-    serve.add_argument("--suffix-cache-requests", type=int, help="suffix drafter: recent outputs kept (default 64)")
-    serve.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error"], help="prompts are logged at debug only"
-    )
-    serve.add_argument("--log-format", choices=["text", "json"], help="json: one JSON object per log line")
-    prod = serve.add_argument_group("production")
-    prod.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every API route (or SPECSERVE_API_KEY)")
-    prod.add_argument("--max-queue", type=int, help="generation requests allowed to wait; past it 429 (default 64)")
-    prod.add_argument("--request-timeout", type=float, help="seconds per request, waiting included (default 600)")
-    prod.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 4 MiB)")
-    prod.add_argument("--cors-allow-origins", help="comma-separated origins allowed by CORS (default: CORS off)")
-    prod.add_argument("--shutdown-timeout", type=float, help="on SIGTERM, seconds to let requests finish (default 10)")
+    add_arguments(serve)  # one flag per setting, from ServeSettings
     chat = commands.add_parser("chat", help="chat with a running server from the terminal (streams replies)")
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
     chat.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"), help="key, if the server wants one")
@@ -123,7 +58,7 @@ def _offline_engine(target: str | None):
     from engine.config import EngineConfig
     from engine.factory import load_engine
 
-    return load_engine(EngineConfig(target=target, device="cpu", max_model_len=2048))
+    return load_engine(EngineConfig(target=target, drafter="none", device="cpu", max_model_len=2048))
 
 
 def train_medusa_command(args: dict) -> None:

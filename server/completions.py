@@ -6,21 +6,19 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from .errors import BadRequest
-from .generation import Choice, ServingCore, TokenPiece, UsageTotals
-from .protocol import (
-    CompletionChoice,
-    CompletionChunk,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    new_id,
-    now,
-)
+from .protocol import CompletionRequest
+from .responses import CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, new_id, now
+from .serving import Choice, ServingCore, TokenPiece, UsageTotals
 
 MAX_PROMPTS = 64  # prompts in one request; each becomes its own choice
 
 
-class CompletionsServing(ServingCore):
+class CompletionsServing:
+    """/v1/completions over the serving core: ``create`` and ``stream``."""
+
+    def __init__(self, core: ServingCore) -> None:
+        self.core = core
+
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         prompts: list = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
@@ -28,28 +26,28 @@ class CompletionsServing(ServingCore):
             raise BadRequest(f"prompt must hold between 1 and {MAX_PROMPTS} prompts", "prompt")
         encoded = []
         for item in prompts:
-            ids = self.tokenizer(item).input_ids if isinstance(item, str) else list(item)
+            ids = self.core.tokenizer(item).input_ids if isinstance(item, str) else list(item)
             if not ids:
                 raise BadRequest("prompt must not be empty", "prompt")
-            if any(not 0 <= token < self.vocab_size for token in ids):
-                raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+            if any(not 0 <= token < self.core.vocab_size for token in ids):
+                raise BadRequest(f"prompt token ids must be in [0, {self.core.vocab_size})", "prompt")
             encoded.append(ids)
         return encoded
 
     def prepare_completion(self, body: CompletionRequest) -> list[Choice]:
-        self.check_model(body.model)
+        self.core.check_model(body.model)
         if body.suffix:
             raise BadRequest("suffix is not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise BadRequest("best_of is not supported (only best_of == n)", "best_of")
         prompts = self.completion_prompts(body)
-        params = self._sampling_params(body, body.max_tokens or 16, body.logprobs)
+        params = self.core.sampling_params(body, body.max_tokens or 16, body.logprobs)
         if body.echo and body.logprobs is not None:
             params = replace(params, prompt_logprobs=body.logprobs)
         for prompt_ids in prompts:
-            self._check_fits(prompt_ids, params.max_tokens, "max_tokens")
+            self.core.check_fits(prompt_ids, params.max_tokens, "max_tokens")
         echoes = [self._echo(body, i, ids) for i, ids in enumerate(prompts)]
-        return self._choices(body, prompts, params, echoes)
+        return self.core.choices(body, prompts, params, echoes)
 
     def _echo(self, body: CompletionRequest, index: int, prompt_ids: list[int]) -> str:
         if not body.echo:
@@ -57,7 +55,7 @@ class CompletionsServing(ServingCore):
         prompt = (
             body.prompt[index] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
         )
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+        return prompt if isinstance(prompt, str) else self.core.tokenizer.decode(prompt_ids)
 
     def _completion_logprobs(self, pieces: list[TokenPiece] | None, offset: int) -> CompletionLogprobs | None:
         if pieces is None:
@@ -70,20 +68,21 @@ class CompletionsServing(ServingCore):
             tokens=[piece.text for piece in pieces],
             token_logprobs=[piece.logprob.logprob if piece.logprob else None for piece in pieces],
             top_logprobs=[
-                {self._token_text(t): lp for t, lp in piece.logprob.top} if piece.logprob else None for piece in pieces
+                {self.core.token_text(t): lp for t, lp in piece.logprob.top} if piece.logprob else None
+                for piece in pieces
             ],
             text_offset=offsets,
         )
 
-    async def completion(self, body: CompletionRequest) -> CompletionResponse:
+    async def create(self, body: CompletionRequest) -> CompletionResponse:
         choices, totals = [], UsageTotals()
         for choice in self.prepare_completion(body):
             parts, pieces, offset = [choice.echo], [], len(choice.echo)
-            async for delta in self._generate(choice, "completions"):
+            async for delta in self.core.generate(choice, "completions"):
                 parts.append(delta.text)
                 pieces.extend(delta.pieces or [])
                 if delta.prompt_logprobs is not None:
-                    pieces[:0] = self._prompt_pieces(choice.prompt_ids, delta.prompt_logprobs)
+                    pieces[:0] = self.core.prompt_pieces(choice.prompt_ids, delta.prompt_logprobs)
                     offset = 0
             totals.add(delta, choice.first_of_prompt)
             logprobs = self._completion_logprobs(pieces if choice.params.logprobs is not None else None, 0)
@@ -95,24 +94,26 @@ class CompletionsServing(ServingCore):
                 )
             )
         return CompletionResponse(
-            id=new_id("cmpl"), created=now(), model=self.model_name, choices=choices, usage=totals.usage()
+            id=new_id("cmpl"), created=now(), model=self.core.model_name, choices=choices, usage=totals.usage()
         )
 
-    async def completion_stream(self, body: CompletionRequest) -> AsyncIterator[CompletionChunk]:
+    async def stream(self, body: CompletionRequest) -> AsyncIterator[CompletionChunk]:
         return self._completion_chunks(body, self.prepare_completion(body))
 
     async def _completion_chunks(
         self, body: CompletionRequest, choices: list[Choice]
     ) -> AsyncIterator[CompletionChunk]:
-        chunk, totals = self._stream_chunks(CompletionChunk, "cmpl"), UsageTotals()
+        chunk, totals = self.core.stream_chunks(CompletionChunk, "cmpl"), UsageTotals()
 
         for choice in choices:
             offset, echoed = 0, False
-            async for delta in self._generate(choice, "completions"):
+            async for delta in self.core.generate(choice, "completions"):
                 if choice.echo and not echoed:
                     echoed = True
                     prompt_logprobs = delta.prompt_logprobs
-                    echo_pieces = self._prompt_pieces(choice.prompt_ids, prompt_logprobs) if prompt_logprobs else None
+                    echo_pieces = (
+                        self.core.prompt_pieces(choice.prompt_ids, prompt_logprobs) if prompt_logprobs else None
+                    )
                     yield chunk(
                         [
                             CompletionChoice(

@@ -1,17 +1,42 @@
-"""Server settings: defaults < SPECSERVE_* environment < YAML preset (--config) < command-line flags."""
+"""Server settings, the one source of every ``specserve serve`` option.
+
+Each field is one setting: a ``--flag`` (generated from the field by ``add_arguments``: its help,
+choices and default), a ``SPECSERVE_<NAME>`` environment variable and a key of a YAML preset.
+Precedence: flags > preset (--config) > environment > defaults. A setting the engine reads takes
+its default from ``EngineConfig`` (``engine_field``), and ``engine_config`` builds the engine's
+configuration from the fields both share, so no default is written twice.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import types
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import DRAFT_KV, DTYPES, KERNEL_MODES, ConfigError, EngineConfig
 
 DEFAULT_DRAFT = "copy:auto"  # a copy of the target, bfloat16 or int8 rows, whichever measures faster here
+ENGINE_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
+PRODUCTION = "production"  # the help's group of the production settings
+
+
+def engine_field(name: str, description: str, shown: Any = None, **constraints) -> Any:
+    """A setting the engine reads, with ``EngineConfig``'s default (``shown``: that default as the
+    setting holds it, where the setting's form differs: "ngram,model" for a tuple)."""
+    default = ENGINE_DEFAULTS[name] if shown is None else shown
+    return Field(default=default, description=description, json_schema_extra={"engine": True}, **constraints)
+
+
+def production(default: Any, description: str, **constraints) -> Any:
+    return Field(default=default, description=description, json_schema_extra={"group": PRODUCTION}, **constraints)
 
 
 def _int_list(text: str | None, name: str) -> tuple[int, ...] | None:
@@ -26,48 +51,77 @@ def _int_list(text: str | None, name: str) -> tuple[int, ...] | None:
 class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_", extra="forbid")
 
-    target: str | None = Field(default=None, description="model folder, hub id or .gguf file; none: embedded SmolLM2")
-    draft: str | None = Field(default="auto", description="draft model ref, copy:FORM, none, or auto")
-    drafter: str = "auto"
-    num_draft_tokens: int = Field(default=4, ge=0, le=64)
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int | None = Field(default=None, ge=2)
-    served_model_name: str | None = None
-    seed: int | None = None
-    threads: int | None = Field(default=None, ge=1, description="CPU threads; none: the CPUs this process may use")
-    needs: str | None = Field(default=None, description="what a preset needs to run, said when it cannot start")
-    adaptive_k: bool = False
-    enforce_eager: bool = Field(
-        default=False, description="never capture CUDA graphs or compile kernels; every forward runs eagerly"
+    target: str | None = engine_field(
+        "target", "model folder, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
     )
-    kernels: Literal["auto", "eager", "compiled"] = Field(
+    draft: str | None = Field(
         default="auto",
-        description="the pointwise kernels between products: compiled (auto: under CUDA graphs) or eager",
+        description="draft model ref, copy:FORM (the target as bfloat16, float16, float32, int8 rows, or auto: "
+        "the faster of bfloat16 and int8 here), none, or auto (copy:auto for the embedded model, else none)",
     )
-    min_draft_confidence: float = Field(default=0.0, ge=0.0, lt=1.0)
-    self_layers: str | None = Field(default=None, description="comma-separated layer indices for --drafter self")
-    medusa_heads: str | None = None
-    stages: str = "ngram,model"
-    draft_kv: Literal["auto", "own", "target"] = Field(
-        default="auto", description="a draft model's keys and values: its own, or the target's (auto: for copies)"
+    drafter: str = engine_field("drafter", "drafting strategy (none: the target alone unless a request asks)")
+    num_draft_tokens: int = engine_field("num_draft_tokens", "tokens drafted per speculative step", ge=0, le=64)
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=8000, ge=0, le=65535, description="port")
+    device: Literal["auto", "cpu", "cuda"] = engine_field("device", "where the models run")
+    dtype: Literal[("auto", *DTYPES)] = engine_field("dtype", "weights' dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    max_model_len: int | None = engine_field(
+        "max_model_len", "context length; KV caches are sized to it once (default: the model's, at most 4096)", ge=2
     )
-    suffix_global: bool = Field(
-        default=True, description="suffix drafter: also match recent outputs of the same tenant"
+    served_model_name: str | None = Field(default=None, description="model id clients use (default: the target ref)")
+    seed: int | None = engine_field("seed", "seed for requests that bring none")
+    threads: int | None = engine_field("threads", "CPU threads (default: the CPUs this process may use)", ge=1)
+    needs: str | None = Field(
+        default=None,
+        description="what a preset needs to run, said when it cannot start",
+        json_schema_extra={"cli": False},
     )
-    suffix_cache_requests: int = Field(default=64, ge=0, description="suffix drafter: recent outputs kept, all tenants")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["text", "json"] = "text"
-    # production
-    api_key: str | None = Field(default=None, description="require 'Authorization: Bearer KEY' on the API routes")
-    max_queue: int = Field(default=64, ge=0, description="generation requests allowed to wait; more get 429")
-    request_timeout: float | None = Field(default=600.0, gt=0, description="seconds a request may take, queue included")
-    max_request_bytes: int = Field(default=4 * 2**20, ge=1024, description="largest accepted request body")
-    cors_allow_origins: str | None = Field(default=None, description="comma-separated origins; none: CORS off")
-    shutdown_timeout: float = Field(default=10.0, ge=0, description="grace period for in-flight requests on SIGTERM")
-    fault_injection: bool = False  # test hook, from SPECSERVE_FAULT_INJECTION=1 only; never for production
+    adaptive_k: bool = engine_field("adaptive_k", "choose k per step (up to --num-draft-tokens) from measured costs")
+    enforce_eager: bool = Field(
+        default=False,
+        description="on a GPU, run every forward eagerly: no CUDA graphs, no compiled kernels "
+        "(on CPU forwards are always eager)",
+    )
+    kernels: Literal[KERNEL_MODES] = engine_field(
+        "kernels",
+        "the norms, rotary and MLP gate between products: fused by torch.compile, or eager "
+        "(auto: compiled under CUDA graphs, eager where compiling fails and on CPU)",
+    )
+    min_draft_confidence: float = engine_field(
+        "min_draft_confidence", "model drafts stop below this top probability", ge=0.0, lt=1.0
+    )
+    self_layers: str | None = engine_field(
+        "self_layers", "layers the self drafter runs, e.g. 0,1,2,20,21 (default: calibrated)"
+    )
+    medusa_heads: str | None = engine_field(
+        "medusa_heads", "Medusa head checkpoint folder (default: the heads shipped for the target)"
+    )
+    stages: str = engine_field(
+        "stages", "the staged drafter's chain, cheapest first", shown=",".join(ENGINE_DEFAULTS["stages"])
+    )
+    draft_kv: Literal[DRAFT_KV] = engine_field(
+        "draft_kv",
+        "where a draft model's keys and values for accepted tokens come from: its own forward, or the target's "
+        "cache (one draft row per step); auto: the target's when the draft is a copy:FORM of it",
+    )
+    suffix_global: bool = engine_field(
+        "suffix_global", "suffix drafter: also match recent outputs of the same API key and user"
+    )
+    suffix_cache_requests: int = engine_field(
+        "suffix_cache_requests", "suffix drafter: recent outputs kept, all tenants", ge=0
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="prompts are logged at debug only"
+    )
+    log_format: Literal["text", "json"] = Field(default="text", description="json: one JSON object per log line")
+    api_key: str | None = production(
+        None, "require 'Authorization: Bearer KEY' on every API route (prefer SPECSERVE_API_KEY: flags show in ps)"
+    )
+    max_queue: int = production(64, "generation requests allowed to wait; past it 429", ge=0)
+    request_timeout: float | None = production(600.0, "seconds per request, waiting included", gt=0)
+    max_request_bytes: int = production(4 * 2**20, "largest request body accepted", ge=1024)
+    cors_allow_origins: str | None = production(None, "comma-separated origins allowed by CORS (default: CORS off)")
+    shutdown_timeout: float = production(10.0, "on SIGTERM, seconds to let requests finish", ge=0)
 
     @property
     def cors_origins(self) -> list[str]:
@@ -84,28 +138,16 @@ class ServeSettings(BaseSettings):
         return self.draft
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            target=self.target,
+        """The engine's configuration: every field the two share, in the engine's form."""
+        shared = {name: getattr(self, name) for name in type(self).model_fields if name in ENGINE_DEFAULTS}
+        shared.update(
             draft=self.resolved_draft,
-            drafter=self.drafter,
-            num_draft_tokens=self.num_draft_tokens,
-            device=self.device,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-            threads=self.threads,
-            adaptive_k=self.adaptive_k,
-            min_draft_confidence=self.min_draft_confidence,
             self_layers=_int_list(self.self_layers, "self_layers"),
-            medusa_heads=self.medusa_heads,
             stages=tuple(name.strip() for name in self.stages.split(",") if name.strip()),
-            suffix_global=self.suffix_global,
-            draft_kv=self.draft_kv,
-            suffix_cache_requests=self.suffix_cache_requests,
-            fault_injection=self.fault_injection,
-            forward="eager" if self.enforce_eager else "auto",
+            forward="eager" if self.enforce_eager else ENGINE_DEFAULTS["forward"],
             kernels="eager" if self.enforce_eager else self.kernels,
         )
+        return EngineConfig(**shared)
 
     @classmethod
     def load(cls, config_file: str | None, overrides: dict) -> ServeSettings:
@@ -124,3 +166,55 @@ class ServeSettings(BaseSettings):
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise ConfigError(f"invalid settings: {problems}") from None
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def cli_fields() -> dict[str, FieldInfo]:
+    """The settings that are also flags: all but the preset-only ones."""
+    return {name: info for name, info in ServeSettings.model_fields.items() if _extra(info).get("cli", True)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting. An absent flag sets nothing (the preset, environment or default
+    stands); its help names the default."""
+    groups: dict[str | None, argparse._ActionsContainer] = {None: parser}
+    for name, info in cli_fields().items():
+        group = _extra(info).get("group")
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        kind, choices = _kind(info.annotation)
+        default = info.default
+        shown = ("on" if default else "off") if kind is bool else default
+        help_text = info.description or name
+        if "(default" not in help_text:  # where it does not say what its default means
+            help_text += f" (default {shown if shown is not None else 'none'})"
+        options: dict[str, Any] = {"help": help_text, "default": argparse.SUPPRESS}
+        if kind is bool:  # --adaptive-k alone turns it on; --suffix-global off turns it off
+            options.update(nargs="?", const=True, type=_on_off, metavar="on|off")
+        else:
+            options.update(type=kind, choices=choices)
+        groups[group].add_argument(flag(name), **options)
+
+
+def _extra(info: FieldInfo) -> dict:
+    return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+
+
+def _kind(annotation: Any) -> tuple[type, tuple | None]:
+    """(the type a flag's text converts to, its choices) for a field's annotation."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return _kind(args[0])
+    if typing.get_origin(annotation) is Literal:
+        return str, tuple(args)
+    return annotation, None
+
+
+def _on_off(text: str) -> bool:
+    words = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return words[text.lower()]

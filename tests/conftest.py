@@ -37,10 +37,15 @@ class Server:
         return f"{self.url}/v1"
 
 
-def start_server(args: list[str], log: Path, timeout: float = 180.0, env: dict | None = None) -> Server:
+def start_server(
+    args: list[str], log: Path, timeout: float = 180.0, env: dict | None = None, faults: bool = False
+) -> Server:
+    """``specserve serve ARGS`` in a process of its own; ``faults``: with the fault hook installed
+    (tests/fault_server.py), so that a prompt may ask to fail inside the engine."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args]
+    module = "tests.fault_server" if faults else "server.cli"
+    command = [sys.executable, "-m", module, "serve", "--port", str(port), *args]
     handle = log.open("w")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -110,7 +115,7 @@ def server(tiny_model_dirs, tmp_path_factory) -> Iterator[Server]:
             "0",
         ],
         log,
-        env={"SPECSERVE_FAULT_INJECTION": "1"},  # lets tests fail one request inside the engine
+        faults=True,  # lets tests fail one request inside the engine
     )
     yield running
     stop_server(running)

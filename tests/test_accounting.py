@@ -14,11 +14,13 @@ import torch
 from openai import OpenAI
 
 from engine.config import ConfigError, EngineConfig
-from engine.engine import Request
+from engine.drafters import check_stages
 from engine.factory import load_engine
+from engine.request import Request
 from engine.sampling import SamplingParams
 from server.detokenizer import IncrementalDetokenizer, TextStream, TokenBytes, ends_inside_character
 from tests.conftest import REPO
+from tests.faults import every_forward
 from tests.test_lossless import greedy_reference
 from tests.tiny import byte_tokenizer, perturbed_copy, tiny_engine, tiny_llama
 
@@ -41,7 +43,7 @@ def test_float16_logits_whose_sum_overflows_are_served():
     """49k SmolLM2 logits of mean ~3.8 sum past float16's 65,504; here 4,096 logits of mean ~30 do."""
     target = tiny_llama(seed=3, vocab_size=4096).to(torch.float16)
     engine = tiny_engine(target, None)
-    engine.target.fault = lambda logits: logits + 30.0  # finite, but the sum of the row is inf in float16
+    engine.logits_hook = every_forward(lambda logits: logits + 30.0)  # finite, but a row's sum is inf in float16
     outputs = list(engine.generate(Request("f", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))))
     assert len(tokens_of(outputs)) == 3
 
@@ -50,7 +52,7 @@ def test_a_real_nan_is_still_refused_in_float16():
     from engine.spec import NonFiniteProbabilities
 
     engine = tiny_engine(tiny_llama(seed=3, vocab_size=64).to(torch.float16), None)
-    engine.target.fault = lambda logits: torch.full_like(logits, float("nan"))
+    engine.logits_hook = every_forward(lambda logits: torch.full_like(logits, float("nan")))
     with pytest.raises(NonFiniteProbabilities):
         list(engine.generate(Request("n", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))))
 
@@ -171,9 +173,9 @@ def test_usage_is_sent_once_on_the_last_chunk_and_speculation_on_each_finish(ser
         (("model", "ngram"), "cannot check"),
     ],
 )
-def test_bad_stage_chains_are_refused_by_the_config(stages, why):
+def test_bad_stage_chains_are_refused_by_the_registry(stages, why):
     with pytest.raises(ConfigError, match=why):
-        EngineConfig(stages=stages)
+        check_stages(stages)
 
 
 def test_a_chain_naming_a_model_twice_is_refused_at_startup(tiny_model_dirs):

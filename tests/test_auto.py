@@ -10,7 +10,8 @@ import torch
 from engine.adaptive import StepCosts
 from engine.drafters.auto import MATCH_PRIORS, match_track
 from engine.drafters.base import Proposal
-from engine.engine import Request
+from engine.factory import warm_up
+from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
 
@@ -92,7 +93,7 @@ def test_a_draft_model_must_beat_text_matchings_pace_over_the_last_steps():
 
 def test_the_offer_is_what_a_step_choosing_text_matching_drafts():
     engine = auto_engine()
-    engine.warm_up()
+    warm_up(engine)
     auto = engine.drafter("auto")
     prompt = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11]  # suffix continues [7 .. 11] with 12, 7, 8, ...
     auto.begin(prompt)
@@ -197,7 +198,7 @@ def test_a_seeded_request_under_an_auto_default_runs_a_fixed_drafter():
 def test_warm_up_measures_the_draft_models_agreement_and_prefill_cost():
     close, far = auto_engine(noise=0.05), auto_engine(noise=3.0)
     for engine in (close, far):
-        engine.warm_up()
+        warm_up(engine)
     near_prior, far_prior = close.drafter("auto").priors, far.drafter("auto").priors
     assert near_prior["model"] == near_prior["staged"] and near_prior["suffix@2"] == MATCH_PRIORS[2]  # its own
     assert 0.0 < far_prior["model"] < near_prior["model"] <= 1.0
@@ -208,7 +209,7 @@ def test_warm_up_measures_the_draft_models_agreement_and_prefill_cost():
 
 def test_warm_up_times_the_steps_so_the_first_request_need_not():
     engine = auto_engine()
-    engine.warm_up()
+    warm_up(engine)
     auto = engine.drafter("auto")
     assert sorted(auto.verify.verify) == [0, 1, 2, 3, 4] and all(s > 0 for s in auto.verify.verify.values())
     assert auto.draft_costs["model"].draft == auto.draft_costs["staged"].draft > 0
@@ -239,7 +240,7 @@ def test_live_verify_timings_move_the_start_up_line_as_a_whole():
 
 def test_a_requests_first_verify_which_reads_the_prompt_is_not_timed():
     engine = auto_engine()
-    engine.warm_up()
+    warm_up(engine)
     auto = engine.drafter("auto")
     line = dict(auto.verify.verify)
     list(engine.generate(Request("long", list(range(1, 90)), SamplingParams(max_tokens=2, temperature=0.0))))
@@ -264,7 +265,7 @@ def test_a_start_up_draft_cost_taken_on_a_busy_host_is_replaced_by_the_next_prob
     up) must not keep the draft model out for the rest of the server's life."""
     target = tiny_llama(seed=3, vocab_size=96, init=0.2)
     engine = tiny_engine(target, perturbed_copy(target, 0.05, seed=1), drafter="auto", draft_kv="target")
-    engine.warm_up()
+    warm_up(engine)
     auto = engine.drafter("auto")
     measured = auto.draft_costs["model"].draft
     auto.draft_costs["model"].draft = 1000 * measured  # as if start-up had timed it under heavy load

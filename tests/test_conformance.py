@@ -11,6 +11,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
+from tests.faults import fault_marker
+
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
@@ -375,12 +377,11 @@ def test_error_after_the_stream_started_is_an_event_then_done(server, client):
         "POST",
         f"{server.v1}/completions",
         json={
-            "prompt": "fail soon",
+            "prompt": f"fail soon {fault_marker('raise', 3)}",
             "max_tokens": 40,
             "stream": True,
             "ignore_eos": True,
             "temperature": 0,
-            "fault_at_step": 3,
         },
     ) as response:
         assert response.status_code == 200
@@ -389,7 +390,9 @@ def test_error_after_the_stream_started_is_an_event_then_done(server, client):
     error = json.loads(events[-2])["error"]
     assert error["type"] == "internal_error" and "injected fault" in error["message"]
     assert any(json.loads(event).get("choices") for event in events[:-2])  # text went out before the error
-    failed = httpx.post(f"{server.v1}/completions", json={"prompt": "fail", "max_tokens": 9, "fault_at_step": 1})
+    failed = httpx.post(
+        f"{server.v1}/completions", json={"prompt": f"fail {fault_marker('raise', 1)}", "max_tokens": 9}
+    )
     assert failed.status_code == 500 and set(failed.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert client.completions.create(model="tiny", prompt="fine again", max_tokens=4).usage.completion_tokens == 4

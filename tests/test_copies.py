@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.engine import Request, build_engine
+from engine.factory import build_engine, warm_up
 from engine.measure import choose_copy
-from engine.model import CausalLM, Int8Weight
+from engine.model import CausalLM
+from engine.request import Request
 from engine.sampling import SamplingParams
+from engine.weights import Int8Weight
 from tests.tiny import tiny_llama
 
 
@@ -36,8 +38,8 @@ def test_an_int8_model_frees_its_float_weights_and_stays_close_to_bfloat16():
     model = tiny_llama(seed=4, vocab_size=64, init=0.2).to(torch.bfloat16)
     bfloat16 = CausalLM(copy.deepcopy(model), max_len=64)
     int8 = CausalLM(model, max_len=64)
-    int8.quantize_int8()
-    assert int8.linear_weights() == [] and int8.describe_products() == "int8 rows"
+    int8.weights.quantize_int8()
+    assert int8.weights.linear_weights() == [] and int8.weights.describe() == "int8 rows"
     assert int8.weight_bytes < 0.7 * bfloat16.weight_bytes  # int8 rows, not a second copy beside the bfloat16 one
     assert int8.embed.weight.numel() > 0  # the table the tied LM head shares stays for lookups
     prompt = [3, 9, 27, 17, 51, 25]
@@ -45,7 +47,7 @@ def test_an_int8_model_frees_its_float_weights_and_stays_close_to_bfloat16():
     assert not torch.equal(ours, theirs)  # really a different product
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.8
     with pytest.raises(ConfigError, match="bfloat16 model on CPU"):
-        CausalLM(tiny_llama(seed=4, vocab_size=64), max_len=64).quantize_int8()  # float32
+        CausalLM(tiny_llama(seed=4, vocab_size=64), max_len=64).weights.quantize_int8()  # float32
 
 
 def test_a_copy_names_one_of_the_forms():
@@ -67,7 +69,7 @@ def test_copy_auto_times_both_copies_and_keeps_the_faster(caplog):
     rates = {name: float(rate) for name, rate in re.findall(r"(int8|bfloat16) \(step .*?, ([\d.]+) tok/s\)", line)}
     assert set(rates) == {"int8", "bfloat16"} and form == max(rates, key=rates.__getitem__)
     assert line.startswith(f"draft copy:auto chose {form} ")
-    assert chosen.int8 == (form == "int8") and (chosen is bfloat16) == (form == "bfloat16")
+    assert chosen.weights.int8 == (form == "int8") and (chosen is bfloat16) == (form == "bfloat16")
     assert f"{form} (step " in line and f"agreement {agreed:.3f}" in line.split(" over ")[0]
 
 
@@ -77,11 +79,12 @@ def test_an_engine_drafting_with_copy_auto_says_which_copy_and_keeps_the_targets
     # the engine owns what it is given (packing may free it): the target-only engine gets its own
     engine = build_engine(config, copy.deepcopy(target), copy.deepcopy(target).to(torch.bfloat16), set())
     assert engine.config.draft in ("copy:bfloat16", "copy:int8")
-    measured = engine.draft_agreement  # by copy:auto's choice; warm-up keeps it rather than measuring again
-    engine.warm_up()
-    assert measured is not None and engine.draft_agreement == measured
+    auto = engine.drafter("auto")
+    measured = auto.draft_agreement  # by copy:auto's choice; warm-up keeps it rather than measuring again
+    warm_up(engine)
+    assert measured is not None and auto.draft_agreement == measured and auto.priors["model"] == measured
     alone = build_engine(
-        EngineConfig(device="cpu", dtype="float32", max_model_len=128, draft=None), target, None, set()
+        EngineConfig(device="cpu", dtype="float32", max_model_len=128, draft=None, drafter="none"), target, None, set()
     )
     params = SamplingParams(max_tokens=20, temperature=0.0)
     prompt = [4, 8, 15, 16, 23, 42]

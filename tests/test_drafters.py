@@ -9,9 +9,9 @@ from engine.adaptive import AdaptiveK, StepCosts
 from engine.config import ConfigError, EngineConfig
 from engine.drafters.medusa import MedusaHeads
 from engine.drafters.ngram import NgramDrafter
-from engine.engine import Request
 from engine.matmul import PACKED, MatmulPlan
 from engine.model import CausalLM
+from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.training import collect, train_heads
 from server.settings import ServeSettings
@@ -176,13 +176,13 @@ def test_adaptive_k_does_not_time_a_requests_first_step_which_reads_the_prompt()
 
 def test_medusa_heads_train_on_a_target_whose_weights_are_packed():
     """Training multiplies by the LM head itself: where the plan packed it and freed the dense copy
-    (an untied head), training reads it back exactly through ``dense_weight``."""
+    (an untied head), training reads it back exactly through ``weights.dense``."""
     model = tiny_llama(seed=5, vocab_size=64, init=0.2)
     dense_head = model.lm_head.weight.detach().clone()
     target = CausalLM(model, max_len=128)
-    target.use_plan(MatmulPlan.uniform(PACKED, 4, target.linear_weights()))
+    target.weights.use_plan(MatmulPlan.uniform(PACKED, 4, target.weights.linear_weights()))
     assert target.lm_head.weight.numel() == 0  # untied: freed, the packed copy alone remains
-    assert torch.equal(target.dense_weight(target.lm_head, "weight"), dense_head)
+    assert torch.equal(target.weights.dense(target.lm_head, "weight"), dense_head)
     sequences = [torch.randint(0, 64, (60,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
     features, labels = collect(target, sequences, num_heads=2, chunk=32)
     heads, report = train_heads(target, features, labels, num_heads=2, seconds=0.3, batch=16)

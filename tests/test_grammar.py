@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from engine.engine import Request
 from engine.grammar import GrammarCompiler, GrammarError, TokenConstraint
+from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.tiny import byte_tokenizer, perturbed_copy, tiny_engine, tiny_llama
 

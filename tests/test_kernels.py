@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.engine import Request
+from engine.factory import compile_kernels, warm_up
 from engine.model import CausalLM
+from engine.request import Request
 from engine.runner import GraphRunner
 from engine.sampling import SamplingParams
 from tests.tiny import (
@@ -64,7 +65,7 @@ def test_compiled_kernels_run_inside_a_compiled_forward_and_the_self_drafters_pa
 def test_each_kernel_compiles_at_warm_up_and_never_while_serving():
     """Target, draft and self drafter, a stream of requests with varying k, drafters and prompts."""
     engine = compiling_engine(kernels="compiled")
-    report = engine.warm_up()
+    report = warm_up(engine)
     assert "pointwise kernels compiled: 16 compilations" in report.describe()  # 4 functions x 2, two models
     compiled = {id(model): dict(model.kernels.compilations) for model in engine.models}
     assert all(set(counts) == FUNCTIONS and set(counts.values()) == {2} for counts in compiled.values())
@@ -74,7 +75,7 @@ def test_each_kernel_compiles_at_warm_up_and_never_while_serving():
 
 def test_a_compilation_after_warm_up_is_logged(caplog):
     engine = compiling_engine(kernels="compiled")
-    engine.warm_up()
+    warm_up(engine)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     list(engine.generate(Request("quiet", [1, 2, 3], params)))
     assert "compilations while serving" not in caplog.text
@@ -101,10 +102,10 @@ def test_a_kernel_compile_failure_falls_back_to_eager_kernels_or_fails_start_up_
     draft = perturbed_copy(target, 0.05, seed=1)
     asked = tiny_engine(target, draft, kernels="compiled", compile_backend=_refusing_backend)
     with pytest.raises(ConfigError, match="compiling the pointwise kernels failed .*C compiler.*use --kernels eager"):
-        asked.warm_up()
+        warm_up(asked)
     # "auto" compiles them only under CUDA graphs; the fallback it takes where compiling fails:
     engine = tiny_engine(target, draft, kernels="compiled", compile_backend=_refusing_backend)
-    said = engine.compile_kernels(required=False)
+    said = compile_kernels(engine, required=False)
     assert said.startswith("pointwise kernels eager: compiling them failed (RuntimeError: Failed to find C compiler")
     assert all(model.kernels.mode == "eager" for model in engine.models)
     assert "they run eagerly" in caplog.text  # a warning in the log, besides the start-up line
@@ -126,7 +127,7 @@ def _refusing_large_graphs(graph_module, example_inputs):
 def test_a_forward_that_cannot_be_prepared_stops_start_up_naming_what_to_turn_off():
     engine = compiling_engine(forward="compile", kernels="compiled", compile_backend=_refusing_large_graphs)
     with pytest.raises(ConfigError) as raised:
-        engine.warm_up()
+        warm_up(engine)
     message = str(raised.value)
     assert message.startswith(
         "preparing the compile forwards failed (RuntimeError: CUDA error: operation not permitted"

@@ -7,9 +7,10 @@ import copy
 import pytest
 import torch
 
-from engine.engine import Request
+from engine.factory import warm_up
 from engine.matmul import FORMULATIONS, LONG, PACKED, MatmulPlan, PackedWeight, can_pack
 from engine.model import CausalLM
+from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama, tiny_of_family
 
@@ -36,7 +37,7 @@ def test_qwen2_biases_are_used(held):
     reference = reference_logits(model, ids)
     lm = CausalLM(model, 32)
     if held == "packed":  # the bias goes into the packed product
-        lm.use_plan(MatmulPlan.uniform(PACKED, 4, lm.linear_weights()))
+        lm.weights.use_plan(MatmulPlan.uniform(PACKED, 4, lm.weights.linear_weights()))
     assert torch.allclose(lm.extend(ids[:3], 3), reference[:3], atol=1e-5)  # small-row slots
     assert torch.allclose(lm.extend(ids[3:], 9), reference[3:], atol=1e-5)  # the LONG slot
 
@@ -88,8 +89,8 @@ def test_every_matmul_formulation_matches_hugging_face(formulation, dtype):
     ids = torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(0)).tolist()
     reference = reference_logits(model, ids).float()  # before packing frees the model's own weights
     lm = CausalLM(model, max_len=64)
-    lm.use_plan(MatmulPlan.uniform(formulation, 4, lm.linear_weights()))
-    assert bool(lm.prepared) == (formulation == PACKED)
+    lm.weights.use_plan(MatmulPlan.uniform(formulation, 4, lm.weights.linear_weights()))
+    assert bool(lm.weights.prepared) == (formulation == PACKED)
     chunks = [ids[:1], ids[1:4], ids[4:8], ids[8:]]
     ours = torch.cat([lm.extend(chunk, len(chunk)) for chunk in chunks]).float()
     assert torch.allclose(ours, reference, atol=1e-5 if dtype == "float32" else 0.05)
@@ -98,17 +99,17 @@ def test_every_matmul_formulation_matches_hugging_face(formulation, dtype):
 def test_packed_weights_replace_the_dense_ones_and_come_back_exactly():
     model = tiny_llama(seed=0, vocab_size=50)
     lm = CausalLM(model, max_len=64)
-    dense = {(id(module), name): getattr(module, name).clone() for module, name in lm.products()}
+    dense = {(id(module), name): getattr(module, name).clone() for module, name in lm.weights.products}
     before, tied = lm.weight_bytes, lm.lm_head.weight.data_ptr() == lm.embed.weight.data_ptr()
-    lm.use_plan(MatmulPlan.uniform(PACKED, 4, lm.linear_weights()))
-    assert len(lm.prepared) == len(dense) and lm.linear_weights() == []
+    lm.weights.use_plan(MatmulPlan.uniform(PACKED, 4, lm.weights.linear_weights()))
+    assert len(lm.weights.prepared) == len(dense) and lm.weights.linear_weights() == []
     # the dense copies are freed (an embedding table the LM head shares stays), so memory holds one copy
     assert all(module.q_proj.weight.numel() == 0 for module in (layer.self_attn for layer in lm.layers))
-    assert lm.weight_bytes == before + tied * lm.prepared[id(lm.lm_head), "weight"].nbytes
-    assert torch.equal(lm.dense_weight(lm.lm_head, "weight"), dense[id(lm.lm_head), "weight"])
-    lm.use_plan(MatmulPlan())
-    assert not lm.prepared and lm.weight_bytes == before
-    for module, name in lm.products():
+    assert lm.weight_bytes == before + tied * lm.weights.prepared[id(lm.lm_head), "weight"].nbytes
+    assert torch.equal(lm.weights.dense(lm.lm_head, "weight"), dense[id(lm.lm_head), "weight"])
+    lm.weights.use_plan(MatmulPlan())
+    assert not lm.weights.prepared and lm.weight_bytes == before
+    for module, name in lm.weights.products:
         assert torch.equal(getattr(module, name), dense[id(module), name])
     attn = lm.layers[0].self_attn  # the layers' weights are views of the fused one again
     assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
@@ -120,8 +121,8 @@ def test_packed_weights_replace_the_dense_ones_and_come_back_exactly():
 def test_the_measured_plan_covers_every_weight_shape_and_row_count():
     model = tiny_llama(seed=0, vocab_size=50)
     lm = CausalLM(model, max_len=64)
-    plan = lm.plan_matmuls(3)
-    shapes = {(w.shape[0], w.shape[1], w.dtype) for w in lm.linear_weights()}
+    plan = lm.weights.plan_matmuls(3)
+    shapes = {(w.shape[0], w.shape[1], w.dtype) for w in lm.weights.linear_weights()}
     assert set(plan.choices) == {(shape, slot) for shape in shapes for slot in (1, 2, 3, LONG)}
     packed = [PACKED] if can_pack(torch.float32, lm.device) else []
     assert all(set(plan.timings_us[shape, 1]) == {"linear", "weight_first", "padded", *packed} for shape in shapes)
@@ -133,9 +134,9 @@ def test_the_measured_plan_covers_every_weight_shape_and_row_count():
         ratios = [t[PACKED] / min(us for name, us in t.items() if name != PACKED) for t in timings]
         assert not packed or (plan.choices[shape, 1] == PACKED) == (torch.tensor(ratios).log().mean() < 0)
     won = [part.split() for part in plan.describe().split(", ")]  # e.g. "onednn 8/16, weight_first 8/16"
-    assert sum(int(count.split("/")[0]) for _, count in won) == len(plan.choices) and lm.matmul is plan
+    assert sum(int(count.split("/")[0]) for _, count in won) == len(plan.choices) and lm.weights.plan is plan
     with pytest.raises(ValueError, match="unknown formulation"):
-        MatmulPlan.uniform("mystery", 2, lm.linear_weights())
+        MatmulPlan.uniform("mystery", 2, lm.weights.linear_weights())
 
 
 def test_a_cpu_without_a_onednn_kernel_for_the_dtype_keeps_the_blas_formulations(monkeypatch):
@@ -147,21 +148,21 @@ def test_a_cpu_without_a_onednn_kernel_for_the_dtype_keeps_the_blas_formulations
 
     monkeypatch.setattr(PackedWeight, "linear", refuse)
     lm = CausalLM(tiny_llama(seed=0, vocab_size=50), max_len=64)
-    plan = lm.plan_matmuls(2)
+    plan = lm.weights.plan_matmuls(2)
     assert PACKED not in plan.choices.values() and not any(PACKED in t for t in plan.timings_us.values())
-    assert not lm.prepared and len(lm.linear_weights()) == len(lm.products())
+    assert not lm.weights.prepared and len(lm.weights.linear_weights()) == len(lm.weights.products)
 
 
 def test_warm_up_measures_the_plan_and_greedy_output_stays_the_targets():
     target = tiny_llama(seed=3, vocab_size=96, init=0.2)
     draft = perturbed_copy(target, noise=0.05, seed=1)
     engine = tiny_engine(copy.deepcopy(target), draft, num_draft_tokens=4, drafter="model")  # packing frees its weights
-    assert "matmuls measured: target" in engine.warm_up().describe()
-    assert set(engine.target.matmul.choices) and set(engine.draft.matmul.choices)
+    assert "matmuls measured: target" in warm_up(engine).describe()
+    assert set(engine.target.weights.plan.choices) and set(engine.draft.weights.plan.choices)
     for formulation in ("weight_first", "padded", "linear", PACKED):  # whichever the host measured, each path is exact
         for model in engine.models:
-            model.use_plan(MatmulPlan())  # every weight dense again, so that the plan below sees them all
-            model.use_plan(MatmulPlan.uniform(formulation, 6, model.linear_weights()))
+            model.weights.use_plan(MatmulPlan())  # every weight dense again, so that the plan below sees them all
+            model.weights.use_plan(MatmulPlan.uniform(formulation, 6, model.weights.linear_weights()))
         prompt = [5, 9, 11, 5, 9]
         greedy = SamplingParams(max_tokens=20, temperature=0.0)
         outputs = [t for o in engine.generate(Request("g", prompt, greedy)) for t in o.token_ids]

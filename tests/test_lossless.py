@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.engine import Request
 from engine.model import CausalLM
+from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
 from engine.stats import SpecStats
 from tests.tiny import DEVICE_PATH_SETUPS, DRAFTER_SETUPS, perturbed_copy, setup_engine, tiny_engine, tiny_llama

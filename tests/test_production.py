@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, start_server, stop_server
+from tests.faults import fault_marker
 
 KEY = "sk-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -29,12 +30,13 @@ def _args(target: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dirs, tmp_path_factory):
-    """API key on, a queue of 8, generous timeout; fault injection on for the engine-fault tests."""
+    """API key on, a queue of 8, generous timeout; the fault hook on for the engine-fault tests."""
     target, _ = tiny_model_dirs
     server = start_server(
         _args(target, "--max-model-len", "256", "--max-queue", "8", "--drafter", "ngram"),
         tmp_path_factory.mktemp("guarded") / "server.log",
-        env={"SPECSERVE_API_KEY": KEY, "SPECSERVE_FAULT_INJECTION": "1"},
+        env={"SPECSERVE_API_KEY": KEY},
+        faults=True,
     )
     yield server
     stop_server(server)
@@ -216,7 +218,7 @@ def test_a_non_streaming_client_that_gives_up_is_aborted(guarded):
 
 @pytest.mark.parametrize("kind", ["raise", "nan"])
 def test_a_fault_in_the_forward_pass_fails_only_that_request(guarded, kind):
-    failed = _complete(guarded, fault_at_step=1, fault_kind=kind, max_tokens=6)
+    failed = _complete(guarded, prompt=f"hello {fault_marker(kind, 1)}", max_tokens=6)
     assert failed.status_code == 500 and set(failed.json()["error"]) == ERROR_KEYS
     expected = "InjectedFault" if kind == "raise" else "NonFiniteProbabilities"
     assert expected in failed.json()["error"]["message"]
@@ -317,7 +319,7 @@ def fragile(tiny_model_dirs, tmp_path):
     server = start_server(
         _args(target, "--max-model-len", "4096", "--request-timeout", "0.5"),
         tmp_path / "server.log",
-        env={"SPECSERVE_FAULT_INJECTION": "1"},
+        faults=True,
     )
     yield server
     stop_server(server)
@@ -388,7 +390,7 @@ async def _stream_anon(client: httpx.AsyncClient, url: str, body: dict, first: a
 def test_when_the_engine_thread_dies_requests_fail_fast_and_the_process_exits_nonzero(fragile):
     response = httpx.post(
         f"{fragile.v1}/completions",
-        json={"prompt": "die", "max_tokens": 8, "fault_at_step": 1, "fault_kind": "kill"},
+        json={"prompt": f"die {fault_marker('kill', 1)}", "max_tokens": 8},
         timeout=30,
     )
     assert response.status_code == 503 and set(response.json()["error"]) == ERROR_KEYS

@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import CausalLM, attention_chunks, split_attention
+from engine.attention import attention_chunks, split_attention
+from engine.factory import warm_up
+from engine.model import CausalLM
 from engine.runner import GraphRunner, windows
 from tests.tiny import compiling_engine, serve_varied_requests, tiny_llama
 
@@ -53,7 +55,7 @@ def test_the_static_forward_compiles_whole_and_matches_eager():
 
 def test_every_shape_compiles_once_at_warm_up_and_never_while_serving():
     engine = compiling_engine(forward="compile")
-    report = engine.warm_up()
+    report = warm_up(engine)
     # query lengths 1..k+2; the target with all its layers and the self drafter's subset, the draft whole
     assert report.variants == 5 * 2 + 5
     compiled = {id(model): dict(model.runner.compilations) for model in engine.models}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.drafters.suffix import ContinuationIndex, SuffixCache, SuffixDrafter
-from engine.engine import Request
+from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.tiny import tiny_engine, tiny_llama
 

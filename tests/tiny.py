@@ -19,7 +19,9 @@ from transformers import (
 
 from engine.config import EngineConfig
 from engine.drafters.medusa import MedusaHeads
-from engine.engine import Request, SpecEngine, build_engine
+from engine.engine import SpecEngine
+from engine.factory import build_engine
+from engine.request import Request
 from engine.sampling import SamplingParams
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
@@ -101,7 +103,9 @@ def tiny_engine(
     **options,
 ) -> SpecEngine:
     """An engine on in-process models; ``draft_ref`` is what the config calls the draft ("copy:int8"
-    quantizes it); ``options`` are further EngineConfig fields (drafter, ...)."""
+    quantizes it); ``options`` are further EngineConfig fields (drafter: by default the draft model,
+    or the target alone without one)."""
+    options.setdefault("drafter", "model" if draft is not None else "none")
     config = EngineConfig(
         target="tiny",
         draft=draft_ref if draft is not None else None,

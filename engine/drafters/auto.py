@@ -40,8 +40,10 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_tokens
+from ..measure import agreement, extra_row_seconds, fitted_line, prefill_seconds_per_token, read_seconds
 from ..sampling import RequestSampler
-from .base import Drafter, DraftResources, Proposal, build, register
+from .base import Drafter, DraftResources, Proposal
+from .registry import build, register
 
 # A text match's acceptance before any request ran, by the length of the match its proposal
 # continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
@@ -89,12 +91,14 @@ class _Request:
     step: int = 0
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     name = "auto"
     probe_every = PROBE_EVERY  # steps after which an unused candidate (or match length) is tried again
 
-    def __init__(self, candidates: dict[str, Drafter]) -> None:
+    def __init__(self, candidates: dict[str, Drafter], resources: DraftResources | None = None) -> None:
         self.candidates = candidates
+        self.resources = resources  # the models whose step costs warm-up measures
+        self.draft_agreement = None if resources is None else resources.draft_agreement
         readers = [name for name in candidates if self._reads(name)]
         self.draft_costs: dict[str, StepCosts] = {name: StepCosts() for name in readers}  # across requests
         self.verify = StepCosts()  # verify cost by k, whatever drafted
@@ -108,9 +112,30 @@ class AutoDrafter:
         self._choice: _Choice | None = None
 
     @property
-    def fixed_choice(self) -> str:
+    def seeded_choice(self) -> str:
         """The candidate a seeded request runs instead: timing-driven choices would change its draws."""
         return "model" if "model" in self.candidates else "suffix"
+
+    def warm_up(self) -> None:
+        """Price the candidates before the first request: the target's forward over k + 1 tokens for
+        each k (best of two each, fitted by a line: single readings scatter by 10-15%, and a high one
+        would keep its k from ever being tried), the draft model's step, its catch-up costs and its
+        agreement with the target (unless start-up measured that already)."""
+        if self.resources is None:
+            return
+        target, draft, config = self.resources.target, self.resources.draft, self.resources.config
+        max_query = config.num_draft_tokens + 2
+        timed = [read_seconds(target, k + 1, repeats=2) for k in range(max_query - 1)]
+        draft_step = None
+        if draft is not None:
+            draft_step = read_seconds(draft, 1, repeats=3)
+            readers = [candidate for candidate in self.candidates.values() if candidate.runs_model]
+            if not all(reader.reads_target_cache for reader in readers):  # one reading the target's cache has none
+                self.expect_catch_up(prefill_seconds_per_token(draft), extra_row_seconds(draft, max_query, draft_step))
+            if self.draft_agreement is None:
+                self.draft_agreement = agreement(draft, target)
+            self.expect_agreement(self.draft_agreement)
+        self.expect_step_costs(dict(enumerate(fitted_line(timed))), draft_step)
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         for candidate in self.candidates.values():
@@ -262,7 +287,8 @@ class AutoDrafter:
 
     def _reads(self, name: str | None) -> bool:
         """Whether the candidate runs a draft model, which must read the sequence before proposing."""
-        return hasattr(self.candidates.get(name), "lag")
+        candidate = self.candidates.get(name)
+        return candidate is not None and candidate.runs_model
 
     def _lag(self, name: str | None, token_ids: list[int]) -> int | None:
         """Tokens a candidate with a draft model must read first; None for candidates without one."""
@@ -317,11 +343,11 @@ class AutoDrafter:
         return best
 
 
-@register("auto")
+@register("auto", AutoDrafter)
 def _build(resources: DraftResources) -> AutoDrafter:
     candidates: dict[str, Drafter] = {"suffix": build("suffix", resources)}
     if resources.draft is not None:
         candidates["model"] = build("model", resources)
         staged = replace(resources, config=replace(resources.config, stages=("suffix", "model")))
         candidates["staged"] = build("staged", staged)
-    return AutoDrafter(candidates)
+    return AutoDrafter(candidates, resources)

@@ -1,14 +1,13 @@
-"""The drafter lifecycle every strategy implements, and the registry that names them."""
+"""The drafter lifecycle every strategy implements, and the chain sampler model drafters share."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from ..config import ConfigError
 from ..spec import sample_one
 
 if TYPE_CHECKING:
@@ -32,9 +31,23 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """begin once per request, then propose / accept once per speculative step."""
+    """begin once per request, then propose / accept once per speculative step.
+
+    The optional abilities below are declared here with the value a drafter without them has; a
+    drafter that has one subclasses this protocol and overrides it. Nothing looks for them by name
+    or by ``hasattr``."""
 
     name: str
+    # It runs a draft model that must read the committed tokens before it proposes (``lag``).
+    runs_model: bool = False
+    # Its model takes the committed tokens' keys and values from the target's cache, so it never
+    # catches up on a prompt: it reads one token a step.
+    reads_target_cache: bool = False
+    # It can check and extend another stage's proposal (``refine``): a later stage of a chain.
+    can_refine: ClassVar[bool] = False
+    # The drafter a seeded request that names none runs instead, where this one's choices follow
+    # timings (which would change the request's random draws); None: this one.
+    seeded_choice: str | None = None
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         """A new request starts with ``prompt_ids``; reuse whatever state still matches. ``tenant``
@@ -45,6 +58,26 @@ class Drafter(Protocol):
 
     def accept(self, num_committed: int) -> None:
         """The first ``num_committed`` tokens of the sequence are final; drop state beyond them."""
+
+    def lag(self, token_ids: list[int]) -> int:
+        """Tokens its model must read before it can propose (``runs_model``); 0 without one."""
+        return 0
+
+    def refine(
+        self, token_ids: list[int], cheaper: Proposal, num_draft_tokens: int, sampler: RequestSampler
+    ) -> Proposal:
+        """As a later stage (``can_refine``): check ``cheaper``'s tokens against this drafter's q,
+        keep what passes and extend it to ``num_draft_tokens``."""
+        raise NotImplementedError(f"the {self.name!r} drafter cannot refine another stage's tokens")
+
+    def target_layer_sets(self) -> list[tuple[int, ...]]:
+        """Subsets of the target's layers it runs as forwards of their own, which start-up prepares
+        (captures or compiles) beside the whole model's."""
+        return []
+
+    def warm_up(self) -> None:
+        """Start-up's hook, after the forwards are prepared: measure what the drafter needs to know
+        before the first request (step costs, say)."""
 
 
 def sample_chain(
@@ -101,32 +134,4 @@ class DraftResources:
     config: EngineConfig
     target: CausalLM
     draft: CausalLM | None
-
-
-DrafterFactory = Callable[[DraftResources], Drafter]
-_REGISTRY: dict[str, DrafterFactory] = {}
-_REFINERS: set[str] = set()  # drafters with ``refine``: they can check and extend another stage's tokens
-
-
-def register(name: str, refines: bool = False) -> Callable[[DrafterFactory], DrafterFactory]:
-    def add(factory: DrafterFactory) -> DrafterFactory:
-        _REGISTRY[name] = factory
-        if refines:
-            _REFINERS.add(name)
-        return factory
-
-    return add
-
-
-def available() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def can_refine(name: str) -> bool:
-    return name in _REFINERS
-
-
-def build(name: str, resources: DraftResources) -> Drafter:
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown drafter {name!r}; available: {', '.join(available())}")
-    return _REGISTRY[name](resources)
+    draft_agreement: float | None = None  # the draft's agreement with the target, where start-up measured it

@@ -22,7 +22,8 @@ from ..config import ConfigError
 from ..model import CausalLM, upload
 from ..sampling import RequestSampler
 from ..spec import sample_one
-from .base import DraftResources, Proposal, register
+from .base import Drafter, DraftResources, Proposal
+from .registry import register
 
 FORMAT = "specserve-medusa/1"
 SHIPPED = Path(__file__).resolve().parent.parent / "medusa_heads"
@@ -77,7 +78,7 @@ def check_checkpoint(folder: Path) -> dict:
     return config
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     name = "medusa"
 
     def __init__(self, target: CausalLM, heads: MedusaHeads) -> None:
@@ -115,7 +116,7 @@ def shipped_heads(model_name: str) -> Path:
     return SHIPPED / model_name.rstrip("/").split("/")[-1]
 
 
-@register("medusa")
+@register("medusa", MedusaDrafter)
 def _build(resources: DraftResources) -> MedusaDrafter:
     folder = resources.config.medusa_heads
     path = Path(folder) if folder else shipped_heads(resources.config.target or "SmolLM2-135M-Instruct")

@@ -14,11 +14,14 @@ from ..config import ConfigError
 from ..model import CausalLM, upload
 from ..sampling import RequestSampler
 from ..spec import rejection_sample
-from .base import DraftResources, Proposal, register, sample_chain
+from .base import Drafter, DraftResources, Proposal, sample_chain
+from .registry import register
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     name = "model"
+    runs_model = True
+    can_refine = True
 
     def __init__(self, draft: CausalLM, min_confidence: float = 0.0, target: CausalLM | None = None) -> None:
         self.draft = draft
@@ -28,6 +31,10 @@ class ModelDrafter:
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         self.draft.cache.reuse_prefix(prompt_ids)
+
+    @property
+    def reads_target_cache(self) -> bool:
+        return self.target is not None
 
     def lag(self, token_ids: list[int]) -> int:
         """Tokens the draft must read before it can propose: a prefill when it has not run lately.
@@ -94,7 +101,7 @@ class ModelDrafter:
         self.draft.cache.rollback(min(num_committed, self.draft.cache.length))
 
 
-@register("model", refines=True)
+@register("model", ModelDrafter)
 def _build(resources: DraftResources) -> ModelDrafter:
     if resources.draft is None:
         raise ConfigError("the 'model' drafter needs a draft model (--draft REF)")

@@ -10,10 +10,11 @@ import torch
 
 from ..model import upload
 from ..sampling import RequestSampler
-from .base import DraftResources, Proposal, register
+from .base import Drafter, DraftResources, Proposal
+from .registry import register
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     name = "ngram"
 
     def __init__(self, min_n: int, max_n: int, device: torch.device) -> None:
@@ -50,7 +51,7 @@ class NgramDrafter:
         self._indexed = max(self._indexed, len(token_ids))
 
 
-@register("ngram")
+@register("ngram", NgramDrafter)
 def _build(resources: DraftResources) -> NgramDrafter:
     low, high = resources.config.ngram_sizes
     return NgramDrafter(low, high, resources.target.device)

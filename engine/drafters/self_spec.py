@@ -18,13 +18,14 @@ import torch
 from ..config import ConfigError
 from ..model import CausalLM
 from ..sampling import RequestSampler
-from .base import DraftResources, Proposal, register, sample_chain
+from .base import Drafter, DraftResources, Proposal, sample_chain
+from .registry import register
 
 log = logging.getLogger(__name__)
 CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "calibration"
 
 
-class SelfDrafter:
+class SelfDrafter(Drafter):
     name = "self"
 
     def __init__(self, target: CausalLM, layers: tuple[int, ...]) -> None:
@@ -53,6 +54,9 @@ class SelfDrafter:
     def accept(self, num_committed: int) -> None:
         """The verify pass already overwrote every drafted position with the full model's KV."""
 
+    def target_layer_sets(self) -> list[tuple[int, ...]]:
+        return [self.layers]
+
 
 def calibration_file(model_name: str) -> Path:
     return CALIBRATION_DIR / f"{model_name.rstrip('/').split('/')[-1]}.json"
@@ -63,7 +67,7 @@ def default_layers(target: CausalLM, model_name: str) -> tuple[int, ...]:
     if path.is_file():
         return tuple(json.loads(path.read_text())["layers"])
     # Without a calibration: keep the first quarter and the last half (late layers matter most for
-    # the output distribution; see PERF notes: untrained early exit agrees with the target rarely).
+    # the output distribution; an untrained early exit seldom agrees with the target).
     count = len(target.layers)
     layers = tuple(range(count // 4)) + tuple(range(count // 2, count))
     log.info(
@@ -95,7 +99,7 @@ def calibrate(target: CausalLM, token_ids: list[int], keep: int) -> tuple[tuple[
     return layers, score
 
 
-@register("self")
+@register("self", SelfDrafter)
 def _build(resources: DraftResources) -> SelfDrafter:
     layers = resources.config.self_layers
     if layers is None:

@@ -8,12 +8,12 @@ checked by the draft model in one forward instead of k sequential draft steps.
 
 from __future__ import annotations
 
-from ..config import check_stages
 from ..sampling import RequestSampler
-from .base import Drafter, DraftResources, Proposal, build, register
+from .base import Drafter, DraftResources, Proposal
+from .registry import build, check_stages, register
 
 
-class StagedDrafter:
+class StagedDrafter(Drafter):
     name = "staged"
 
     def __init__(self, stages: list[Drafter]) -> None:
@@ -30,15 +30,27 @@ class StagedDrafter:
             proposal = stage.refine(token_ids, proposal, num_draft_tokens, sampler)
         return proposal
 
+    @property
+    def runs_model(self) -> bool:
+        return any(stage.runs_model for stage in self.stages)
+
+    @property
+    def reads_target_cache(self) -> bool:
+        """Every stage that runs a model reads the target's cache (none catches up on a prompt)."""
+        return self.runs_model and all(stage.reads_target_cache for stage in self.stages if stage.runs_model)
+
     def lag(self, token_ids: list[int]) -> int:
         """The most any stage must read before proposing (see ModelDrafter.lag); 0 for host-side stages."""
-        return max(getattr(stage, "lag", lambda ids: 0)(token_ids) for stage in self.stages)
+        return max(stage.lag(token_ids) for stage in self.stages)
+
+    def target_layer_sets(self) -> list[tuple[int, ...]]:
+        return [layers for stage in self.stages for layers in stage.target_layer_sets()]
 
     def accept(self, num_committed: int) -> None:
         for stage in self.stages:
             stage.accept(num_committed)
 
 
-@register("staged")
+@register("staged", StagedDrafter)
 def _build(resources: DraftResources) -> StagedDrafter:
     return StagedDrafter([build(name, resources) for name in resources.config.stages])

@@ -20,7 +20,8 @@ import torch
 
 from ..model import upload
 from ..sampling import RequestSampler
-from .base import DraftResources, Proposal, register
+from .base import Drafter, DraftResources, Proposal
+from .registry import register
 
 MAX_MATCH = 8  # longest n-gram indexed
 MATCH_FACTOR = 2.0  # a match of n tokens may draft up to 2n tokens
@@ -95,7 +96,7 @@ class SuffixCache:
         }
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     name = "suffix"
 
     def __init__(self, device: torch.device, cache: SuffixCache | None, max_match: int = MAX_MATCH) -> None:
@@ -159,7 +160,7 @@ class SuffixDrafter:
         self._sequence = []
 
 
-@register("suffix")
+@register("suffix", SuffixDrafter)
 def _build(resources: DraftResources) -> SuffixDrafter:
     config = resources.config
     cache = SuffixCache(config.suffix_cache_requests) if config.suffix_global else None
