@@ -10,6 +10,7 @@ import pytest
 from openai import OpenAI
 
 from tests.conftest import REPO, start_server, stop_server
+from tests.faults import fault_marker
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +49,11 @@ def test_default_model_streams_the_same_answer(default_server):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == whole.choices[0].message.content
 
 
-def test_fault_injection_is_off_unless_enabled(default_server):
+def test_the_served_engine_has_no_fault_hook(default_server):
+    """Fault injection lives in the tests (tests/faults.py): a marker in a prompt is only text."""
     client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=120)
-    response = client.completions.create(model="", prompt="Hello", max_tokens=3, extra_body={"fault_at_step": 0})
+    prompt = f"Hello {fault_marker('raise', 0)}"
+    response = client.completions.create(model="", prompt=prompt, max_tokens=3, extra_body={"fault_at_step": 0})
     assert response.usage.completion_tokens == 3
 
 
@@ -101,7 +104,9 @@ def test_default_model_serves_greedy_chat_in_half_precision(tmp_path):
 
 
 def readme_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    """The README's blocks, then those of docs/api.md (which use the README's ``client``)."""
+    text = "\n".join((REPO / name).read_text() for name in ("README.md", "docs/api.md"))
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
 
 def test_readme_python_snippets_run_in_order(default_server):
