@@ -14,8 +14,10 @@ carrying the assistant turns that configuration generated before; each configura
 own ``user``, so what the server keeps across requests (the suffix cache) never crosses them.
 Greedy decoding throughout; every output is checked against the target-only output.
 
-Writes bench/results/<name>.json, .png and .md (every table) and prints the summary; with
---update-readme the full run also rewrites the README's benchmark section.
+Writes bench/results/<name>.json after every round of configurations (marked "partial", with how
+far it got, until the end), then the .png and .md (every table), and prints the summary; with
+--update-readme the full run also rewrites the README's benchmark section. Each run prints its
+progress with an estimate of the time left. The server's log goes to bench/out/ (not tracked).
 """
 
 from __future__ import annotations
@@ -90,13 +92,15 @@ def main() -> None:
     args.max_tokens = args.max_tokens or (64 if args.quick else 96)
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
     prompts = {kind: prompts[kind][:1] if args.quick else prompts[kind] for kind in args.types.split(",")}
-    results_dir = BENCH / "results"
+    results_dir, logs_dir = BENCH / "results", BENCH / "out"
     results_dir.mkdir(exist_ok=True)
+    logs_dir.mkdir(exist_ok=True)
+    out = results_dir / f"{args.name}.json"
 
     bandwidths = [measure_read_bandwidth()]
     server = ServerRunner(
         ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"],
-        results_dir / f"{args.name}-server.log",
+        logs_dir / f"{args.name}-server.log",
     )
     try:
         # The server times its steps and its draft copies at start-up: loading models here meanwhile
@@ -124,15 +128,34 @@ def main() -> None:
             print("llama.cpp: llama-cpp-python is not importable; no anchor row", file=sys.stderr)
         bandwidths.append(measure_read_bandwidth())  # again with everything loaded and the server idle
         configs = configurations(args)
-        runs = measure(configs, runners, prompts, models.tokenizer, args)
+
+        def save(runs: dict, progress: str) -> None:  # the runs so far, should the run be cut short
+            finished = {kind: by_label for kind, by_label in runs.items() if all(by_label.values())}
+            partial = {**report(args, models, engine, server, configs, finished, bandwidths), "partial": True}
+            out.write_text(json.dumps({**partial, "progress": progress}, indent=2) + "\n")
+
+        runs = measure(configs, runners, prompts, models.tokenizer, args, save)
         bandwidths.append(measure_read_bandwidth())
     finally:
         server.close()
+    print("read bandwidth GB/s: " + ", ".join(f"{b / 1e9:.1f}" for b in bandwidths), file=sys.stderr)
+    final = report(args, models, engine, server, configs, runs, bandwidths)
+    out.write_text(json.dumps(final, indent=2) + "\n")
+    plot(final, results_dir / f"{args.name}.png")
+    out.with_suffix(".md").write_text(f"# `make bench`: every table of {out.name}\n\n" + tables(final) + "\n")
+    text = summary(final, f"bench/results/{args.name}.md")
+    print(text)
+    if args.update_readme:
+        update_readme(BENCH.parent / "README.md", text, args.name)
+    print(f"\nwrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')}", file=sys.stderr)
+
+
+def report(args, models, engine, server, configs: list[Config], runs: dict, bandwidths: list[float]) -> dict:
+    """The results file: the host, the settings, and every configuration's metrics per prompt type."""
     # The machine is shared: its bandwidth drifts. The bound uses the best reading (what it can do).
     bandwidth = max(bandwidths)
-    print("read bandwidth GB/s: " + ", ".join(f"{b / 1e9:.1f}" for b in bandwidths), file=sys.stderr)
     bound_s = engine.target.weight_bytes / bandwidth
-    report = {
+    return {
         "machine": {
             "processor": platform.processor() or platform.machine(),
             "cpu": cpu(),
@@ -150,20 +173,16 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         **summarise(configs, runs, bound_s),
     }
-    out = results_dir / f"{args.name}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, results_dir / f"{args.name}.png")
-    out.with_suffix(".md").write_text(f"# `make bench`: every table of {out.name}\n\n" + tables(report) + "\n")
-    text = summary(report, f"bench/results/{args.name}.md")
-    print(text)
-    if args.update_readme:
-        update_readme(BENCH.parent / "README.md", text, args.name)
-    print(f"\nwrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')}", file=sys.stderr)
 
 
-def measure(configs: list[Config], runners: dict, prompts: dict, tokenizer, args) -> dict[str, dict[str, list[Run]]]:
-    """runs[prompt type][config label] -> every run of that pair, prompts (or turns) x repeats."""
+def measure(
+    configs: list[Config], runners: dict, prompts: dict, tokenizer, args, save
+) -> dict[str, dict[str, list[Run]]]:
+    """runs[prompt type][config label] -> every run of that pair, prompts (or turns) x repeats.
+    ``save(runs, progress)`` is called after every round of configurations."""
     runs: dict[str, dict[str, list[Run]]] = {kind: {c.label: [] for c in configs} for kind in prompts}
+    turns = sum(len(Conversation.of(entry).turns) for entries in prompts.values() for entry in entries)
+    total, done, started = args.repeats * turns * len(configs), 0, time.monotonic()
     for repeat in range(args.repeats):
         for kind, entries in prompts.items():
             for index, entry in enumerate(entries):
@@ -180,12 +199,20 @@ def measure(configs: list[Config], runners: dict, prompts: dict, tokenizer, args
                             run.text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
                         histories[config.label] = messages + [{"role": "assistant", "content": run.text}]
                         runs[kind][config.label].append(run)
+                        done += 1
                         print(
-                            f"[{repeat + 1}/{args.repeats}] {kind}#{index}.{turn} {config.label:24s} "
-                            f"{run.decode_tokens_per_s:6.1f} tok/s  ttft {run.ttft_s * 1e3:6.0f} ms",
+                            f"[{done}/{total}, {_eta(started, done, total)} left] {kind}#{index}.{turn} "
+                            f"{config.label:24s} {run.decode_tokens_per_s:6.1f} tok/s  ttft {run.ttft_s * 1e3:6.0f} ms",
                             file=sys.stderr,
                         )
+                    save(runs, f"{done} of {total} runs")
     return runs
+
+
+def _eta(started: float, done: int, total: int) -> str:
+    """The time the remaining runs should take at the pace so far, as "4m05s"."""
+    seconds = round((time.monotonic() - started) / done * (total - done))
+    return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,10 @@ class EngineDead(RuntimeError):
     pass
 
 
+class EngineClosed(RuntimeError):
+    """The engine's client ended this request: the server is shutting down."""
+
+
 @dataclass(eq=False)
 class _Job:
     request: Request
@@ -124,6 +128,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         job = self._jobs.get(request_id)
         if job is not None:
+            job.abort()
+
+    def close(self, reason: str) -> None:
+        """Fail every queued and running request now with ``EngineClosed(reason)``, and abort each
+        in the engine: a shutdown's last word to requests that did not finish in time."""
+        for job in list(self._jobs.values()):
+            job.send(EngineClosed(reason))
             job.abort()
 
     def shutdown(self, timeout: float | None = None) -> None:

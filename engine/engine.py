@@ -16,6 +16,7 @@ import torch
 from .adaptive import AdaptiveK, StepCosts
 from .config import NO_DRAFTER, EngineConfig
 from .drafters import Drafter, DrafterSet, DraftResources, Proposal
+from .loader import generation_defaults
 from .model import CausalLM
 from .request import EngineDescription, Request, StepOutput, TokenLogprob, check_fits
 from .sampling import RequestSampler
@@ -109,6 +110,7 @@ class SpecEngine:
             weight_bytes=self.weight_bytes,
             cache_bytes=self.cache_bytes,
             warm_up=self.warm_up_report,
+            generation_defaults=generation_defaults(self.target.hf_model, embedded=self.config.target is None),
         )
 
     def reset(self) -> None:

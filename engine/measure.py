@@ -96,6 +96,7 @@ def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> 
     measured agreement with the target (None where none was measured)."""
     if target.device.type != "cpu":
         return bfloat16, "bfloat16", None
+    log.info("draft copy:auto: timing a bfloat16 and an int8 copy of the target on this host to keep the faster")
     int8 = CausalLM(copy.deepcopy(bfloat16.hf_model), bfloat16.max_len)
     int8.weights.quantize_int8()
     max_rows = num_draft_tokens + 2

@@ -27,8 +27,9 @@ def check_device(config: EngineConfig) -> list[str]:
     ]
 
 
-def num_layers(ref: str | None) -> int | None:
-    """The model's decoder layer count, from its config.json or GGUF metadata, without loading weights."""
+def model_size(ref: str | None, config_key: str, gguf_key: str) -> int | None:
+    """One of the model's sizes, from its config.json (``config_key``) or its GGUF metadata
+    (``{architecture}.{gguf_key}``), without loading weights; None where neither says."""
     where, extra = locate(ref)
     if "gguf_file" in extra:
         from gguf import GGUFReader
@@ -36,10 +37,25 @@ def num_layers(ref: str | None) -> int | None:
         reader = GGUFReader(Path(where) / extra["gguf_file"])
         architecture = reader.fields["general.architecture"]
         name = bytes(architecture.parts[architecture.data[0]]).decode()
-        field = reader.fields.get(f"{name}.block_count")
+        field = reader.fields.get(f"{name}.{gguf_key}")
         return None if field is None else int(field.parts[field.data[0]][0])
     config_file = Path(where) / "config.json"
-    return json.loads(config_file.read_text()).get("num_hidden_layers") if config_file.is_file() else None
+    return json.loads(config_file.read_text()).get(config_key) if config_file.is_file() else None
+
+
+def num_layers(ref: str | None) -> int | None:
+    return model_size(ref, "num_hidden_layers", "block_count")
+
+
+def check_context(config: EngineConfig) -> list[str]:
+    """A context longer than the positions the target was trained on is refused (as vLLM does):
+    the caches would be sized for it, and the positions past the model's are ones it never saw."""
+    limit = model_size(config.target, "max_position_embeddings", "context_length")
+    if config.max_model_len is None or limit is None or config.max_model_len <= limit:
+        return []
+    return [
+        f"max_model_len {config.max_model_len} exceeds the target's {limit} positions; use --max-model-len {limit} or less"
+    ]
 
 
 def preflight(config: EngineConfig) -> list[str]:
@@ -55,6 +71,8 @@ def preflight(config: EngineConfig) -> list[str]:
         except ConfigError as exc:
             missing.add(role)
             problems.append(f"{role}: {exc}")
+    if "target" not in missing:
+        problems += check_context(config)
     if config.drafter not in (*available(), NO_DRAFTER):
         problems.append(f"unknown drafter {config.drafter!r}; available: {', '.join([*available(), NO_DRAFTER])}")
     try:

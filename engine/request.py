@@ -77,6 +77,8 @@ class EngineDescription:
     weight_bytes: int
     cache_bytes: int
     warm_up: str  # how the forwards were prepared at start-up (empty if they were not)
+    # request defaults the model's generation config sets, by request field ("temperature", "max_tokens", ...)
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
     @property
     def runnable_drafters(self) -> list[str]:

@@ -81,8 +81,9 @@ class SpecStats:
         self.verify_seconds += other.verify_seconds
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens; None when nothing was drafted (there is no rate to report)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     @property
     def mean_tokens_per_forward(self) -> float:
@@ -97,7 +98,7 @@ class SpecStats:
             "drafter": self.drafter or "none",
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
             "target_forwards": self.target_forwards,
             "mean_tokens_per_forward": round(self.mean_tokens_per_forward, 4),
             "mean_num_draft_tokens": round(self.mean_num_draft_tokens, 4),

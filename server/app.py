@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from sse_starlette.sse import AppStatus
 
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError
@@ -211,7 +209,14 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
         app.state.metrics.queue_depth.set_function(lambda: engine.queue_depth)
         app.state.metrics.running.set_function(lambda: engine.running)
         name = settings.served_model_name or loaded.model_name
-        core = ServingCore(engine, loaded.tokenizer, name, app.state.metrics, request_timeout=settings.request_timeout)
+        core = ServingCore(
+            engine,
+            loaded.tokenizer,
+            name,
+            app.state.metrics,
+            request_timeout=settings.request_timeout,
+            generation_defaults=settings.generation_config == "auto",
+        )
         app.state.serving = Serving.over(core)
         log.info("%s", startup_summary(engine.description, name, settings))
 
@@ -255,22 +260,14 @@ def startup_summary(engine: EngineDescription, name: str, settings: ServeSetting
         f"drafter {drafter}, k={k}{engine.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
         f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
         + (f" | {engine.warm_up}" if engine.warm_up else "")
+        + f" | {_request_defaults(engine, settings)}"
         + (" | API key required" if settings.api_key else "")
     )
 
 
-class GracefulServer(uvicorn.Server):
-    """On SIGTERM or Ctrl-C, new requests get 503 at once; in-flight ones get the grace period
-    (``timeout_graceful_shutdown``), after which uvicorn cancels them, which aborts them in the engine."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        # sse-starlette would end every stream at the signal; let them finish within the grace period.
-        AppStatus.disable_automatic_graceful_drain()
-
-    def handle_exit(self, sig: int, frame) -> None:
-        self.config.app.state.guard.draining = True
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises caught signals once it has stopped, which would end the process "killed
-        # by SIGTERM"; a shutdown that was asked for and went well exits 0 instead.
-        self._captured_signals = [captured for captured in self._captured_signals if captured != signal.SIGTERM]
+def _request_defaults(engine: EngineDescription, settings: ServeSettings) -> str:
+    """What a request that sets nothing gets, and where that comes from."""
+    if settings.generation_config == "auto" and engine.generation_defaults:
+        given = ", ".join(f"{key} {value:g}" for key, value in engine.generation_defaults.items())
+        return f"request defaults from the model's generation config: {given} (--generation-config none: OpenAI's)"
+    return "request defaults: OpenAI's (temperature 1, chat to the end of the context)"

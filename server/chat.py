@@ -69,10 +69,13 @@ class ChatServing:
         tools = plan_tools(body)
         prompt_ids, warnings = self.chat_prompt(body, tools.tools)
         requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = requested or max(1, self.core.description.max_model_len - len(prompt_ids))
+        room = max(1, self.core.description.max_model_len - len(prompt_ids))  # to the end of the context
+        max_tokens = requested or min(self.core.defaults.get("max_tokens", room), room)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.core.sampling_params(body, max_tokens, logprobs)
-        self.core.check_fits(prompt_ids, params.max_tokens, "max_completion_tokens" if requested else "messages")
+        # the 400 names the field the client used
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if requested else "messages"
+        self.core.check_fits(prompt_ids, params.max_tokens, param)
         choices = self.core.choices(body, [prompt_ids], params, [""])
         if tools.forced_schema is not None:
             grammar = self._grammar(ResponseFormat(type="json_schema", json_schema={"schema": tools.forced_schema}))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 
 from engine.threads import set_wait_policy
@@ -22,30 +25,37 @@ from .settings import ServeSettings, add_arguments  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
+    # no abbreviations: a flag's prefix (--max-model) is a mistake to report, not a flag to guess
     parser = argparse.ArgumentParser(
-        prog="specserve", description="OpenAI-compatible server with lossless speculative decoding"
+        prog="specserve",
+        description="OpenAI-compatible server with lossless speculative decoding",
+        allow_abbrev=False,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a model over HTTP", argument_default=argparse.SUPPRESS)
+    serve = commands.add_parser(
+        "serve", help="serve a model over HTTP", argument_default=argparse.SUPPRESS, allow_abbrev=False
+    )
     serve.add_argument(
         "--config", default=None, help="YAML preset (see configs/; or SPECSERVE_CONFIG); flags override it"
     )
     add_arguments(serve)  # one flag per setting, from ServeSettings
-    chat = commands.add_parser("chat", help="chat with a running server from the terminal (streams replies)")
+    chat = commands.add_parser(
+        "chat", help="chat with a running server from the terminal (streams replies)", allow_abbrev=False
+    )
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
     chat.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"), help="key, if the server wants one")
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default %(default)s)")
     chat.add_argument("--max-tokens", type=int, default=512, help="longest reply (default %(default)s)")
     chat.add_argument("--drafter", default=None, help="ask for this drafter (default: the server's)")
-    medusa = commands.add_parser("train-medusa", help="train Medusa heads for a target on CPU")
+    medusa = commands.add_parser("train-medusa", help="train Medusa heads for a target on CPU", allow_abbrev=False)
     medusa.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
     medusa.add_argument("--out", default=None, help="checkpoint folder (default: the shipped heads' folder)")
     medusa.add_argument("--heads", type=int, default=3, help="heads to train: tokens drafted per step (default 3)")
     medusa.add_argument("--minutes", type=float, default=3.0, help="training time budget")
     medusa.add_argument("--max-chars", type=int, default=120_000, help="standard-library text to use")
     medusa.add_argument("--chat-samples", type=int, default=10, help="greedy chat answers to self-distil from")
-    calib = commands.add_parser("calibrate-self", help="choose the layers the self drafter keeps")
+    calib = commands.add_parser("calibrate-self", help="choose the layers the self drafter keeps", allow_abbrev=False)
     calib.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
     calib.add_argument("--keep", type=int, default=None, help="layers to keep (default: half)")
     calib.add_argument("--max-chars", type=int, default=20_000, help="calibration text to use (default 20000)")
@@ -105,11 +115,27 @@ def chat_command(args: dict) -> None:
     )
 
 
+def check_port(host: str, port: int) -> list[str]:
+    """Whether the server can listen on ``host:port``: found out before minutes of loading."""
+    if port == 0:
+        return []
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            return [f"port {port} on {host} {why}; choose another with --port"]
+    return []
+
+
 def serve(settings: ServeSettings, config_file: str | None = None) -> None:
     from engine.preflight import preflight
 
     config = settings.engine_config()
-    problems = preflight(config)  # before any weights load, and before the server's imports: a line each
+    # before any weights load, and before the server's imports: a line each
+    problems = check_port(settings.host, settings.port) + preflight(config)
     if problems:
         if config_file is not None and settings.needs:
             problems.append(f"{config_file} needs {settings.needs}")
@@ -119,7 +145,8 @@ def serve(settings: ServeSettings, config_file: str | None = None) -> None:
 
     from engine.factory import load_engine
 
-    from .app import GracefulServer, create_app
+    from .app import create_app
+    from .shutdown import SETTLE_SECONDS, GracefulServer
 
     app = create_app(lambda: load_engine(config), settings)
     server = GracefulServer(
@@ -129,16 +156,38 @@ def serve(settings: ServeSettings, config_file: str | None = None) -> None:
             port=settings.port,
             log_level=settings.log_level,
             log_config=None,  # uvicorn logs through our handler (text or JSON)
-            timeout_graceful_shutdown=settings.shutdown_timeout,
-        )
+            timeout_graceful_shutdown=SETTLE_SECONDS,  # the drain has ended every request by then
+        ),
+        settings.shutdown_timeout,
     )
     server.run()
     if app.state.exit_code:
         raise SystemExit(app.state.exit_code)
 
 
+def parse(argv: list[str] | None = None) -> dict:
+    """The command's arguments. An unknown flag is reported with the usage of the command it was
+    given to (argparse's own message shows the top-level usage)."""
+    parser = _parser()
+    known, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+        command = commands.choices[known.command]
+        flags = [option for action in command._actions for option in action.option_strings]
+        typed = unknown[0].split("=")[0]
+        # an abbreviation names the flag it starts; a typo, the closest one
+        guesses = sorted((f for f in flags if f.startswith(typed)), key=len) or difflib.get_close_matches(
+            typed, flags, n=1
+        )
+        hint = f" (did you mean {guesses[0]}?)" if guesses else ""
+        print(f"usage: {command.prog} [options]; {command.prog} --help lists them", file=sys.stderr)
+        print(f"{command.prog}: error: unrecognized arguments: {' '.join(unknown)}{hint}", file=sys.stderr)
+        raise SystemExit(2)
+    return vars(known)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = vars(_parser().parse_args(argv))
+    args = parse(argv)
     command, config_file = args.pop("command"), args.pop("config", None)
     try:
         if command != "serve":

@@ -27,7 +27,7 @@ class SpeculativeUsage(BaseModel):
     drafter: str | None  # None: the target alone
     drafted_tokens: int
     accepted_tokens: int
-    acceptance_rate: float
+    acceptance_rate: float | None = None  # null when nothing was drafted
     target_forwards: int
     mean_tokens_per_forward: float
     mean_num_draft_tokens: float  # k per step, as chosen (fixed, adaptive, or cut short by the drafter)

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.async_engine import AsyncEngine, EngineDead
+from engine.async_engine import AsyncEngine, EngineClosed, EngineDead
 from engine.config import ConfigError
 from engine.request import PromptTooLong, Request, StepOutput, TokenLogprob
 from engine.sampling import SamplingError, SamplingParams
@@ -113,13 +113,18 @@ class ServingCore:
         model_name: str,
         metrics: Metrics,
         request_timeout: float | None = None,
+        generation_defaults: bool = True,
     ) -> None:
+        """``generation_defaults``: requests that leave a sampling field (or chat's length) unset get
+        the model's generation config's value (``EngineDescription.generation_defaults``), as in vLLM;
+        else OpenAI's defaults."""
         self.engine = engine
         self.request_timeout = request_timeout
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
         self.description = engine.description  # the loaded engine's: vocabulary, context, drafters
+        self.defaults = dict(self.description.generation_defaults) if generation_defaults else {}
         self.vocab_size = self.description.vocab_size
         self.token_bytes = TokenBytes(tokenizer)
 
@@ -153,6 +158,7 @@ class ServingCore:
             "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty,
         }
+        values = {key: self.defaults.get(key) if value is None else value for key, value in values.items()}
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -295,6 +301,8 @@ class ServingCore:
                 return
         except EngineDead as exc:
             raise EngineUnavailable(str(exc)) from exc
+        except EngineClosed as exc:
+            raise EngineUnavailable(str(exc), code="shutting_down") from exc
         except OpenAIError:
             raise
         except Exception as exc:  # the engine failed this request; it has reset itself and serves on

@@ -110,6 +110,13 @@ class ServeSettings(BaseSettings):
     suffix_cache_requests: int = engine_field(
         "suffix_cache_requests", "suffix drafter: recent outputs kept, all tenants", ge=0
     )
+    generation_config: Literal["auto", "none"] = Field(
+        default="auto",
+        description="auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "
+        "(chat) its length unset gets the model's generation config's value, as in vLLM (the embedded "
+        "model: temperature 0.2, top_p 0.9, 512 tokens); none: OpenAI's defaults (temperature 1, chat to "
+        "the end of the context)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="prompts are logged at debug only"
     )

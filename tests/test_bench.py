@@ -103,3 +103,33 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     short = summary(full, "bench/results/x.md")
     assert "| code | 10.0 | 20.0 (prompt-lookup) | 20.0 | 25.0 | 50.0 (ngram) | 1.25x | 1.25x |" in short
     assert "geometric mean: 1.41x" in short and "(bench/results/x.md)" in short
+
+
+def test_a_bench_saves_what_it_measured_after_every_round_and_says_how_far_it_got(tiny_model_dirs, tmp_path, capsys):
+    """make bench's measuring loop against a real server on the tiny model: after each round of
+    configurations the results so far are saved (a run cut short keeps them), and every run prints
+    its progress with the time left."""
+    from speed import Config, measure
+
+    from tests.tiny import byte_tokenizer
+
+    target, _ = tiny_model_dirs
+    server = ServerRunner(["--target", str(target), "--device", "cpu", "--max-model-len", "256"], tmp_path / "log")
+    saved: list[tuple[list[str], str]] = []
+    try:
+        server.wait_ready()
+        configs = [Config("serve:none", "serve", "none"), Config("serve:ngram", "serve", "ngram")]
+        prompts = {"chat": ["Hello there", {"turns": ["one", "two"]}], "code": ["def f():"]}
+        args = type("Args", (), {"repeats": 1, "max_tokens": 8})()
+
+        def save(runs, progress):
+            saved.append(([kind for kind, by_label in runs.items() if all(by_label.values())], progress))
+
+        runs = measure(configs, {"serve": server}, prompts, byte_tokenizer(), args, save)
+    finally:
+        server.close()
+    assert [progress for _, progress in saved] == ["2 of 8 runs", "4 of 8 runs", "6 of 8 runs", "8 of 8 runs"]
+    assert saved[0][0] == ["chat"] and saved[-1][0] == ["chat", "code"]
+    assert all(len(by_label) == 2 for by_label in runs.values())
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert len(lines) == 8 and lines[0].startswith("[1/8, ") and " left] chat#0.0 serve:none" in lines[0]

@@ -69,8 +69,19 @@ def test_a_message_streams_in_and_the_stats_update(page):
     if accepted:  # text from accepted draft tokens is highlighted
         assert reply.locator("span.draft").count() >= 1
     # the drafter menu lists what runs here, each with the speed measured on this server
-    page.wait_for_function("() => document.querySelector('#drafter option[value=model]').text.includes('tok/s here')")
+    page.wait_for_function("() => document.querySelector('#drafter option[value=model]').text.endsWith(' tok/s')")
     assert page.locator("#drafter").input_value() == "model"  # the choice survives the refresh
+    # every entry fits the menu's width: none is cut off ("server default (auto: 7.9 to")
+    overflowing = page.evaluate(
+        """() => {
+            const select = document.getElementById('drafter');
+            const context = document.createElement('canvas').getContext('2d');
+            context.font = getComputedStyle(select).font;
+            const room = select.clientWidth - 28;  // the arrow and the padding
+            return [...select.options].map(o => o.text).filter(text => context.measureText(text).width > room);
+        }"""
+    )
+    assert overflowing == []
 
 
 def test_a_second_turn_keeps_the_history_and_reuses_the_prefix(page, tmp_path):
@@ -90,3 +101,13 @@ def test_a_bad_parameter_shows_a_clear_error(page):
     page.fill("#max-tokens", "20")
     _send(page, "Fine now")
     assert len(_last_reply(page).inner_text()) > 0
+
+
+def test_the_page_asks_for_nothing_that_is_missing(server, page):
+    """No request of the page's gets a 404: its icon is inline, so there is no /favicon.ico to miss."""
+    missing = []
+    page.on("response", lambda response: missing.append(response.url) if response.status == 404 else None)
+    page.goto(server.url + "/")
+    page.wait_for_function("() => document.getElementById('model').textContent === 'tiny'")
+    assert missing == []
+    assert page.evaluate("() => document.querySelector('link[rel=icon]').href.startsWith('data:image/svg+xml')")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from engine.config import ConfigError
@@ -122,6 +123,7 @@ def test_json_logs_and_the_startup_summary(tiny_model_dirs, tmp_path):
     target, draft = tiny_model_dirs
     args = ["--target", str(target), "--draft", str(draft), "--device", "cpu", "--log-format", "json"]
     server = start_server(args + ["--max-model-len", "128"], tmp_path / "server.log")
+    httpx.get(f"{server.v1}/models", timeout=10)  # an access line (health polls are debug lines)
     stop_server(server)
     records = [json.loads(line) for line in server.log.read_text().splitlines() if line.startswith("{")]
     assert records and all({"time", "level", "logger", "message"} <= set(record) for record in records)

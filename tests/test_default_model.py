@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -119,6 +120,7 @@ def test_readme_curl_examples_run(default_server):
     curls = [block for block in readme_blocks("bash") if block.startswith("curl")]
     assert curls
     for block in curls:
+        started = time.perf_counter()
         result = subprocess.run(
             ["bash", "-c", block.replace("http://127.0.0.1:8000", default_server.url)],
             capture_output=True,
@@ -126,6 +128,21 @@ def test_readme_curl_examples_run(default_server):
             timeout=120,
         )
         assert result.returncode == 0 and '"error"' not in result.stdout, result.stdout + result.stderr
+        # verbatim, as a newcomer pastes it: it ends on its own (the model's default length at most)
+        assert time.perf_counter() - started < 90, block
+        if '"stream": true' in block:
+            assert '"finish_reason":"stop"' in result.stdout or '"finish_reason":"length"' in result.stdout
+
+
+def test_a_request_that_sets_nothing_gets_the_models_defaults_and_ends(default_server):
+    """No temperature, no length: the embedded model's defaults (temperature 0.2, top_p 0.9, 512
+    tokens), which the start-up line names, instead of temperature 1 to the end of the context."""
+    log = default_server.log.read_text()
+    assert "request defaults from the model's generation config: temperature 0.2, top_p 0.9, max_tokens 512" in log
+    client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    reply = client.chat.completions.create(model="", messages=messages)
+    assert reply.usage.completion_tokens <= 512 and reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_tools_the_template_leaves_out_are_reported(default_server):
@@ -150,5 +167,7 @@ def test_the_log_has_plain_lines_and_load_times(default_server):
     assert re.search(r"loaded draft copy:auto: .* in \d+\.\d s", log)
     chosen = re.search(r"draft copy:auto chose (int8|bfloat16) \(step [\d.]+ ms, agreement [\d.]+", log)
     assert chosen
+    timing = log.index("draft copy:auto: timing a bfloat16 and an int8 copy")  # said while it measures
+    assert timing < chosen.start()
     card = httpx.get(f"{default_server.v1}/models").json()["data"][0]
     assert card["draft"] == f"copy:{chosen.group(1)}"  # the card names the copy that was chosen

@@ -359,19 +359,49 @@ def test_sigterm_under_load_finishes_in_flight_streams_and_exits_0(draining):
             await asyncio.wait_for(first_chunk.wait(), 10)
             await asyncio.sleep(0.1)  # all three are in: one generating, two waiting
             draining.process.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.02)
-            late = []
-            try:
-                late.append((await client.post(f"{draining.v1}/completions", json={"prompt": "late"})).status_code)
-            except httpx.TransportError:
-                late.append("refused")
-            return await asyncio.gather(*streams), late
+            await asyncio.sleep(0.3)  # the listener stays open while the server drains
+            late = (await client.post(f"{draining.v1}/completions", json={"prompt": "late"})).status_code
+            health = (await client.get(f"{draining.url}/health")).status_code
+            return await asyncio.gather(*streams), (late, health)
 
-    finished, late = asyncio.run(run())
+    finished, (late, health) = asyncio.run(run())
     assert all(status == 200 and tokens > 0 for status, tokens in finished), finished  # clean [DONE] ends
     assert len({tokens for _, tokens in finished}) == 1  # the same greedy text, in full, for all three
-    assert late[0] in (503, "refused")
+    assert late == 503 and health == 503
     assert draining.process.wait(20) == 0
+
+
+@pytest.fixture
+def hurried(tiny_model_dirs, tmp_path):
+    """A grace period far shorter than a 4,000-token stream."""
+    target, _ = tiny_model_dirs
+    server = start_server(
+        _args(target, "--max-model-len", "4096", "--shutdown-timeout", "0.5"), tmp_path / "server.log"
+    )
+    yield server
+    stop_server(server)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done(hurried, sig):
+    body = {"prompt": "long", "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0}
+    events, health = [], []
+    with httpx.stream("POST", f"{hurried.v1}/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:
+                hurried.process.send_signal(sig)
+                time.sleep(0.1)
+                health.append(httpx.get(f"{hurried.url}/health", timeout=5).status_code)  # 503, not refused
+    assert health == [503]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "shutting_down" and "did not finish within 0.5 s" in error["message"]
+    assert hurried.process.wait(20) == 0
+    log = hurried.log.read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and "Cancel" not in log, log[-3000:]
 
 
 async def _stream_anon(client: httpx.AsyncClient, url: str, body: dict, first: asyncio.Event) -> tuple[int, int]:

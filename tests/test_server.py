@@ -214,3 +214,31 @@ def test_a_request_can_choose_its_drafter_and_k(client):
 def test_bad_speculative_options_get_400(server, speculative, param):
     response = httpx.post(f"{server.v1}/completions", json={"prompt": "x", "speculative": speculative})
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+# ---- the first hour, again (issue 26) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_context_length_error_names_the_field_the_client_sent(server, field):
+    body = {"messages": [{"role": "user", "content": "hi"}], field: 100_000}
+    response = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == field
+
+
+def test_acceptance_rate_is_null_when_nothing_was_drafted(client):
+    body = {"speculative": {"drafter": "none"}, "ignore_eos": True}
+    alone = client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0, extra_body=body)
+    speculative = alone.usage.model_extra["speculative"]
+    assert speculative["drafted_tokens"] == 0 and speculative["acceptance_rate"] is None
+    drafted = client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0)
+    assert drafted.usage.model_extra["speculative"]["acceptance_rate"] is not None
+
+
+def test_health_and_metrics_polls_stay_out_of_an_info_log(server):
+    for path in ("/health", "/metrics", "/health?probe=1", "/v1/models"):
+        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 200
+    log = server.log.read_text()
+    assert '"GET /v1/models HTTP/1.1" 200' in log  # access lines are on
+    assert "GET /health" not in log and "GET /metrics" not in log

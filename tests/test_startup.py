@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -214,3 +216,41 @@ def test_a_json_body_is_read_whatever_the_content_type(server):
         assert response.status_code == 200, response.text
     response = httpx.post(f"{server.v1}/completions", content="prompt=abc", headers={"Content-Type": "text/plain"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---- the first hour, again (issue 26) ---------------------------------------------------------------
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=CLEAN_ENV,
+        )
+    lines = refused_in_a_few_lines(result, f"port {port} on 127.0.0.1 is in use; choose another with --port")
+    assert len(lines) == 1 and "loading" not in result.stderr
+    assert time.perf_counter() - started < 20  # no weights were loaded (that takes 15 s or more)
+
+
+def test_a_context_past_the_models_positions_is_refused_in_one_line():
+    result = serve("--max-model-len", "100000")  # the embedded model was trained on 8,192 positions
+    lines = refused_in_a_few_lines(result, "max_model_len 100000 exceeds the target's 8192 positions")
+    assert len(lines) == 1 and lines[0].endswith("use --max-model-len 8192 or less")
+
+
+@pytest.mark.parametrize(
+    "flag,hint", [("--max-model", "did you mean --max-model-len?"), ("--num-draft", "did you mean --num-draft-tokens?")]
+)
+def test_a_mistyped_or_abbreviated_serve_flag_is_named_with_the_serve_usage(flag, hint):
+    result = serve(flag, "64")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("usage: specserve serve [options]")
+    assert f"unrecognized arguments: {flag} 64 ({hint})" in result.stderr

@@ -56,7 +56,7 @@ def tiny_llama(seed: int, vocab_size: int, layers: int = 2, hidden: int = 32, in
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=8192,  # as long as the longest context the tests serve
         initializer_range=init,
         eos_token_id=None,
         bos_token_id=None,
