@@ -68,6 +68,10 @@ class AsyncEngine:
         self._loaded: concurrent.futures.Future[SpecEngine] = concurrent.futures.Future()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._jobs: dict[str, _Job] = {}
+        # outputs to remember (scope, the tokens its client received), handed to the engine thread
+        # before it takes its next request, so that request already sees them
+        self._outputs: list[tuple[str, list[int]]] = []
+        self._outputs_lock = threading.Lock()
         self._running: _Job | None = None
         self._dead = False
         self._thread = threading.Thread(target=self._main, args=(load,), name="specserve-engine", daemon=True)
@@ -130,6 +134,11 @@ class AsyncEngine:
         if job is not None:
             job.abort()
 
+    def remember(self, tenant: str, token_ids: list[int]) -> None:
+        """Hand the engine an output as far as its client received it (``SpecEngine.remember``)."""
+        with self._outputs_lock:
+            self._outputs.append((tenant, list(token_ids)))
+
     def close(self, reason: str) -> None:
         """Fail every queued and running request now with ``EngineClosed(reason)``, and abort each
         in the engine: a shutdown's last word to requests that did not finish in time."""
@@ -161,6 +170,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            with self._outputs_lock:
+                outputs, self._outputs = self._outputs, []
+            for tenant, token_ids in outputs:
+                self._engine.remember(tenant, token_ids)
             if job.aborted.is_set():  # its client left while it waited
                 job.send(StepOutput([], "abort"))
                 self._report_abort(job)

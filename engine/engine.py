@@ -18,6 +18,7 @@ from .config import NO_DRAFTER, EngineConfig
 from .drafters import Drafter, DrafterSet, DraftResources, Proposal
 from .loader import generation_defaults
 from .model import CausalLM
+from .outputs import OutputCache
 from .request import EngineDescription, Request, StepOutput, TokenLogprob, check_fits
 from .sampling import RequestSampler
 from .spec import rejection_sample
@@ -74,7 +75,10 @@ class SpecEngine:
         # Sampling runs over the ids both models share and the tokenizer can decode, in every mode.
         sizes = [model.vocab_size for model in (target, draft) if model is not None]
         self.vocab_size = min(sizes + ([tokenizer_size] if tokenizer_size else []))
-        self.drafters = DrafterSet(DraftResources(config, target, draft, draft_agreement))
+        # recent outputs, for drafters that match text across requests: one cache, bounded in total
+        self.outputs = OutputCache(config.suffix_cache_requests)
+        self.drafters = DrafterSet(DraftResources(config, target, draft, draft_agreement, self.outputs))
+        self._cache_scope: str | None = None  # whose tokens the KV caches hold now
         self._costs: dict[str, StepCosts] = {}  # what each drafter's steps cost here, learned across requests
         self.warm_up_report: str = ""  # how start-up prepared the forwards (engine/factory.py)
         self.compiled: int | None = None  # compiled variants and kernels as of warm-up (then as last seen)
@@ -118,6 +122,12 @@ class SpecEngine:
         self.target.cache.rollback(0)
         if self.draft is not None:
             self.draft.cache.rollback(0)
+        self._cache_scope = None
+
+    def remember(self, tenant: str, token_ids: list[int]) -> None:
+        """Keep an output that reached its client (only what it received) for the drafters that
+        match recent outputs, under its request's scope."""
+        self.outputs.add(tenant, token_ids)
 
     @property
     def max_model_len(self) -> int:
@@ -194,6 +204,9 @@ class SpecEngine:
     def _begin(self, request: Request) -> _Sequence:
         self._warn_of_recompiles()
         prompt = list(request.prompt_ids)
+        if request.tenant != self._cache_scope:  # another scope's tokens: its prefix is not ours to reuse
+            self.reset()
+            self._cache_scope = request.tenant
         self.target.cache.reuse_prefix(prompt)
         name = request.drafter or self.default_drafter
         if name == NO_DRAFTER:  # the request asks for the target alone

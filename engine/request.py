@@ -22,7 +22,9 @@ class Request:
     drafter: str | None = None  # None: the engine's default drafter; "none": the target alone
     adaptive_k: bool | None = None  # None: the engine's default; True: num_draft_tokens is only the cap
     stages: tuple[str, ...] | None = None  # the staged drafter's chain for this request; None: the engine's
-    tenant: str = ""  # who sent it (API key and user): what drafters keep across requests stays within it
+    # the scope it may share cross-request state within (the KV prefix, recent outputs): the API
+    # key's tenant, user and cache_salt, as the server issues it (server/tenants.py)
+    tenant: str = ""
     grammar: object | None = None  # an xgrammar CompiledGrammar constraining the output
 
 

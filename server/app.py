@@ -49,6 +49,7 @@ from .responses import (
 from .serving import ServingCore
 from .settings import ServeSettings
 from .streaming import sse_response
+from .tenants import Tenancy
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -138,7 +139,7 @@ async def _respond(
     endpoint: CompletionsServing | ChatServing, body: CompletionRequest | ChatCompletionRequest, request: Request
 ):
     """A stream of SSE events, or the whole response unless the client leaves first."""
-    body.from_caller(request.headers.get("authorization"))
+    body.within(request.app.state.tenancy.scope(request.state.tenant, body.user, body.cache_salt))
     if body.stream:
         return sse_response(await endpoint.stream(body))
     return await _unless_disconnected(request, endpoint.create(body))
@@ -218,7 +219,7 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
             generation_defaults=settings.generation_config == "auto",
         )
         app.state.serving = Serving.over(core)
-        log.info("%s", startup_summary(engine.description, name, settings))
+        log.info("%s", startup_summary(engine.description, name, settings, app.state.tenancy))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -233,7 +234,10 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
     app.state.exit_code = 0
     app.state.metrics = Metrics(queue_depth=lambda: 0)
     app.state.started = now()
-    app.state.guard = GuardState(settings.api_key, settings.max_request_bytes, settings.max_queue)
+    app.state.tenancy = Tenancy.from_settings(
+        settings.api_key, settings.api_key_file, settings.share_cache, settings.host
+    )
+    app.state.guard = GuardState(app.state.tenancy, settings.max_request_bytes, settings.max_queue)
     install_error_handlers(app)
     app.include_router(router)
     app.add_middleware(Guard, state=app.state.guard, metrics=app.state.metrics)
@@ -247,7 +251,7 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
     return app
 
 
-def startup_summary(engine: EngineDescription, name: str, settings: ServeSettings) -> str:
+def startup_summary(engine: EngineDescription, name: str, settings: ServeSettings, tenancy: Tenancy) -> str:
     """One line saying what runs where: models, device, dtype, drafter, k, memory, URL."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux reports kB)
     drafter = engine.default_drafter or "none (target alone)"
@@ -261,7 +265,7 @@ def startup_summary(engine: EngineDescription, name: str, settings: ServeSetting
         f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
         + (f" | {engine.warm_up}" if engine.warm_up else "")
         + f" | {_request_defaults(engine, settings)}"
-        + (" | API key required" if settings.api_key else "")
+        + f" | {tenancy.describe()}"
     )
 
 

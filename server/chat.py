@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from engine.grammar import GrammarCompiler, GrammarError
 
+from .choices import Choice, TokenPiece, UsageTotals
 from .errors import BadRequest
 from .protocol import ChatCompletionRequest, ResponseFormat
 from .responses import (
@@ -23,7 +24,7 @@ from .responses import (
     new_id,
     now,
 )
-from .serving import Choice, ServingCore, TokenPiece, UsageTotals
+from .serving import ServingCore
 from .tools import ToolCallStream, parse_tool_calls, plan_tools
 
 log = logging.getLogger(__name__)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from .choices import Choice, TokenPiece, UsageTotals
 from .errors import BadRequest
 from .protocol import CompletionRequest
 from .responses import CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, new_id, now
-from .serving import Choice, ServingCore, TokenPiece, UsageTotals
+from .serving import ServingCore
 
 MAX_PROMPTS = 64  # prompts in one request; each becomes its own choice
 

@@ -6,7 +6,6 @@ its response ends, however it ends (completed, streamed out, client gone, cancel
 
 from __future__ import annotations
 
-import hmac
 import json
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import BadRequest, EngineUnavailable, OpenAIError, Overloaded, Unauthorized
 from .metrics import Metrics
+from .tenants import Tenancy
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 OPEN_PATHS = frozenset({"/health", "/metrics", "/"})  # the chat page holds no data; the API asks for the key
@@ -22,9 +22,10 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/"})  # the chat page holds no d
 @dataclass(slots=True)
 class GuardState:
     """Shared with the app: ``draining`` flips on SIGTERM; ``admitted`` counts generation requests
-    waiting or running; the engine runs one, so capacity is ``max_queue + 1``."""
+    waiting or running; the engine runs one, so capacity is ``max_queue + 1``. ``tenancy`` says
+    which key is which tenant; the tenant a request's key names goes into its scope's state."""
 
-    api_key: str | None
+    tenancy: Tenancy
     max_body_bytes: int
     max_queue: int
     retry_after_s: int = 1
@@ -42,7 +43,8 @@ class Guard:
             return
         path, state = scope["path"], self.state
         length = _header(scope, b"content-length")
-        refusal = self._refusal(scope, path, length)
+        tenant = state.tenancy.tenant_of(_header(scope, b"authorization"))  # None: no key of ours
+        refusal = self._refusal(path, length, tenant)
         generation = path in GENERATION_PATHS and scope["method"] == "POST"
         if refusal is None and generation and state.admitted >= state.max_queue + 1:
             refusal = Overloaded(state.max_queue, state.retry_after_s)
@@ -58,6 +60,7 @@ class Guard:
                 return
         if scope["method"] == "POST":
             scope = _as_json(scope)
+        scope.setdefault("state", {})["tenant"] = tenant or ""  # request.state.tenant for the routes
         if generation:
             state.admitted += 1
         try:
@@ -66,9 +69,9 @@ class Guard:
             if generation:
                 state.admitted -= 1
 
-    def _refusal(self, scope: Scope, path: str, length: str | None) -> OpenAIError | None:
+    def _refusal(self, path: str, length: str | None, tenant: str | None) -> OpenAIError | None:
         state = self.state
-        if state.api_key is not None and path not in OPEN_PATHS and not _key_matches(scope, state.api_key):
+        if tenant is None and path not in OPEN_PATHS:
             return Unauthorized()
         if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
             return _body_too_large(state.max_body_bytes)
@@ -116,13 +119,6 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key.lower() == name:
             return value.decode("latin-1").strip()
     return None
-
-
-def _key_matches(scope: Scope, api_key: str) -> bool:
-    given = _header(scope, b"authorization") or ""
-    scheme, _, token = given.partition(" ")
-    # compare_digest takes time independent of where the strings differ
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 async def _send_error(send: Send, error: OpenAIError) -> None:

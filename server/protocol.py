@@ -6,7 +6,6 @@ Requests accept unknown extra fields (clients send many); known fields are valid
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Annotated, Literal
 
@@ -45,16 +44,18 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None
+    # as in vLLM: requests share cached state only with requests of the same salt (within a key)
+    cache_salt: str | None = Field(default=None, max_length=256)
     speculative: SpeculativeOptions | None = None
-    _credential: str = PrivateAttr(default="")  # a digest of the caller's API key, set by the route
+    _scope: str = PrivateAttr(default="")  # set by the route from the caller's key (server/tenants.py)
 
-    def from_caller(self, authorization: str | None) -> None:
-        """Record who sent this: what drafters keep across requests stays within one key and user."""
-        self._credential = hashlib.sha256((authorization or "").encode()).hexdigest()[:16] if authorization else ""
+    def within(self, scope: str) -> None:
+        """Record what this request may share cross-request state within (``Tenancy.scope``)."""
+        self._scope = scope
 
     @property
     def tenant(self) -> str:
-        return f"{self._credential}/{self.user or ''}"
+        return self._scope
 
 
 class StreamOptions(BaseModel):

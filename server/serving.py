@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
@@ -18,14 +18,13 @@ from engine.async_engine import AsyncEngine, EngineClosed, EngineDead
 from engine.config import ConfigError
 from engine.request import PromptTooLong, Request, StepOutput, TokenLogprob
 from engine.sampling import SamplingError, SamplingParams
-from engine.stats import SpecStats
 
+from .choices import Choice, TextDelta, TokenPiece
 from .detokenizer import IncrementalDetokenizer, TextStream, TokenBytes
 from .errors import BadRequest, EngineUnavailable, InternalError, ModelNotFound, OpenAIError, RequestTimeout
 from .metrics import Metrics
 from .protocol import DetokenizeRequest, TokenizeRequest, _Request
-from .responses import DetokenizeResponse, PromptTokensDetails, SpeculativeUsage, TokenizeResponse, Usage, new_id, now
-from .tools import ToolPlan
+from .responses import DetokenizeResponse, TokenizeResponse, new_id, now
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16
@@ -34,75 +33,6 @@ MAX_CHOICES = 64  # prompts x n in one request: they run one after another
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class TokenPiece:
-    """One generated token: the text it released (joined pieces equal the output) and its logprob."""
-
-    text: str
-    logprob: TokenLogprob | None
-
-
-@dataclass(slots=True)
-class TextDelta:
-    text: str
-    pieces: list[TokenPiece] | None = None  # when logprobs were asked for
-    finish_reason: str | None = None
-    final: StepOutput | None = None  # the engine's last output, on the last delta
-    completion_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
-    draft: bool = False  # the text came from a draft token the target accepted
-
-    def speculative(self) -> SpeculativeUsage | None:
-        """The choice's speculation counters, on its last delta."""
-        return None if self.final is None else SpeculativeUsage(**self.final.stats.to_dict())
-
-
-@dataclass(slots=True)
-class UsageTotals:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    stats: SpecStats = field(default_factory=SpecStats)
-
-    def add(self, delta: TextDelta, count_prompt: bool) -> None:
-        output = delta.final
-        if count_prompt:
-            self.prompt_tokens += output.prompt_tokens
-            self.cached_tokens += output.cached_tokens
-        self.completion_tokens += delta.completion_tokens
-        self.stats.add(output.stats)
-
-    def usage(self) -> Usage:
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
-            speculative=SpeculativeUsage(**self.stats.to_dict()),
-        )
-
-
-@dataclass(slots=True)
-class Choice:
-    """One generation to run: choices run one after another at batch size 1."""
-
-    index: int
-    request: Request  # what the engine runs: prompt, sampling params, drafter options, grammar
-    first_of_prompt: bool  # usage counts each prompt once, however many choices it has
-    echo: str = ""
-    tools: ToolPlan | None = None
-    deadline: float | None = None  # time.monotonic() by which the request must be done
-    warnings: list[str] = field(default_factory=list)  # told to the client (e.g. tools the template leaves out)
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.request.prompt_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
 
 
 class ServingCore:
@@ -257,7 +187,8 @@ class ServingCore:
 
     async def generate(self, choice: Choice, endpoint: str) -> AsyncIterator[TextDelta]:
         """Run one choice, yielding one delta per token that releases text (so a run of accepted
-        drafts streams token by token); the last delta carries the finish reason and totals."""
+        drafts streams token by token); the last delta carries the finish reason and totals. What
+        the client received of the output, and only that, is then remembered by the engine."""
         params = choice.params
         text = TextStream(self.tokenizer, choice.prompt_ids, params.stop, self.token_bytes)
         with_logprobs = params.logprobs is not None
@@ -265,6 +196,8 @@ class ServingCore:
         started = last = time.perf_counter()
         prompt_logprobs = None
         waiting: list[TokenPiece] = []  # tokens that released no text yet (part of a character, or held back)
+        token_ids: list[int] = []  # the output, up to a stop string
+        sent = 0  # how many of them went out with a delta
         outputs = self.engine.generate(choice.request)
         try:
             while True:
@@ -278,12 +211,14 @@ class ServingCore:
                 self._observe(output, now_ - last, first=completion_tokens == 0)
                 last = now_
                 completion_tokens += len(output.token_ids)
+                token_ids += output.token_ids
                 prompt_logprobs = prompt_logprobs or output.prompt_logprobs
                 accepted = output.step.num_accepted if output.step is not None else 0  # a step's first tokens
                 for index, piece in enumerate(pieces):
                     waiting.append(piece)
                     if piece.text:
                         pieces = waiting if with_logprobs else None
+                        sent += len(waiting)
                         yield TextDelta(piece.text, pieces, prompt_logprobs=prompt_logprobs, draft=index < accepted)
                         waiting, prompt_logprobs = [], None
                 finish = "stop" if text.stopped else output.finish_reason
@@ -297,6 +232,7 @@ class ServingCore:
                 self.metrics.prompt_tokens.inc(output.prompt_tokens)
                 self.metrics.cached_prompt_tokens.inc(output.cached_tokens)
                 pieces = waiting if with_logprobs else None
+                sent = len(token_ids)
                 yield TextDelta(tail, pieces, finish, output, completion_tokens, prompt_logprobs)
                 return
         except EngineDead as exc:
@@ -309,6 +245,7 @@ class ServingCore:
             raise InternalError(f"the engine failed on this request: {type(exc).__name__}: {exc}") from exc
         finally:
             await outputs.aclose()  # leaving early (stop string, disconnect) aborts the request
+            self.engine.remember(choice.request.tenant, token_ids[:sent])
 
     async def _next_output(self, outputs: AsyncIterator[StepOutput], deadline: float | None) -> StepOutput | None:
         """The engine's next output, or None at the end; past the deadline, a RequestTimeout."""

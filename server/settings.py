@@ -14,12 +14,12 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import DRAFT_KV, DTYPES, KERNEL_MODES, ConfigError, EngineConfig
 
@@ -121,14 +121,28 @@ class ServeSettings(BaseSettings):
         default="info", description="prompts are logged at debug only"
     )
     log_format: Literal["text", "json"] = Field(default="text", description="json: one JSON object per log line")
-    api_key: str | None = production(
-        None, "require 'Authorization: Bearer KEY' on every API route (prefer SPECSERVE_API_KEY: flags show in ps)"
+    api_key: Annotated[list[str], NoDecode] = production(
+        [],
+        "require 'Authorization: Bearer KEY' on every API route; KEY or KEY:TENANT, repeat for more tenants "
+        "(prefer SPECSERVE_API_KEY or --api-key-file: flags show in ps)",
+    )
+    api_key_file: str | None = production(None, "a file of KEY or KEY:TENANT lines, one tenant each")
+    share_cache: Literal["auto", "on", "off"] = production(
+        "auto",
+        "whether requests of one tenant (API key, user, cache_salt) share the KV prefix and recent outputs; "
+        "auto: on with keys, or without keys on a loopback address; off: no request shares with another",
     )
     max_queue: int = production(64, "generation requests allowed to wait; past it 429", ge=0)
     request_timeout: float | None = production(600.0, "seconds per request, waiting included", gt=0)
     max_request_bytes: int = production(4 * 2**20, "largest request body accepted", ge=1024)
     cors_allow_origins: str | None = production(None, "comma-separated origins allowed by CORS (default: CORS off)")
     shutdown_timeout: float = production(10.0, "on SIGTERM, seconds to let requests finish", ge=0)
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        """SPECSERVE_API_KEY, or a preset's ``api-key``, may hold one key."""
+        return [value] if isinstance(value, str) else value
 
     @property
     def cors_origins(self) -> list[str]:
@@ -194,13 +208,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             groups[group] = parser.add_argument_group(group)
         kind, choices = _kind(info.annotation)
         default = info.default
-        shown = ("on" if default else "off") if kind is bool else default
+        shown = ("on" if default else "off") if kind is bool else (default or None) if kind is list else default
         help_text = info.description or name
         if "(default" not in help_text:  # where it does not say what its default means
             help_text += f" (default {shown if shown is not None else 'none'})"
         options: dict[str, Any] = {"help": help_text, "default": argparse.SUPPRESS}
         if kind is bool:  # --adaptive-k alone turns it on; --suffix-global off turns it off
             options.update(nargs="?", const=True, type=_on_off, metavar="on|off")
+        elif kind is list:  # repeated: --api-key A --api-key B
+            options.update(action="append", type=str)
         else:
             options.update(type=kind, choices=choices)
         groups[group].add_argument(flag(name), **options)
@@ -213,8 +229,10 @@ def _extra(info: FieldInfo) -> dict:
 def _kind(annotation: Any) -> tuple[type, tuple | None]:
     """(the type a flag's text converts to, its choices) for a field's annotation."""
     args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, Annotated):
         return _kind(args[0])
+    if typing.get_origin(annotation) is list:
+        return list, None
     if typing.get_origin(annotation) is Literal:
         return str, tuple(args)
     return annotation, None

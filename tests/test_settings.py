@@ -23,6 +23,8 @@ def sample(name: str):
     args = [arg for arg in typing.get_args(info.annotation) if arg is not type(None)]
     if typing.get_origin(info.annotation) is typing.Literal:
         value = next(choice for choice in args if choice != default)
+    elif typing.get_origin(info.annotation) is list:  # a repeated flag
+        return ["x"], "x"
     elif info.annotation is bool:
         value = not default
         return value, "on" if value else "off"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters.suffix import ContinuationIndex, SuffixCache, SuffixDrafter
+from engine.drafters.suffix import SuffixDrafter
+from engine.outputs import ContinuationIndex, OutputCache
 from engine.request import Request
 from engine.sampling import SamplingParams
 from tests.tiny import tiny_engine, tiny_llama
@@ -45,12 +46,15 @@ def test_an_uncertain_continuation_is_not_drafted():
 
 
 def test_outputs_are_shared_within_a_tenant_and_never_across():
-    cache = SuffixCache(max_requests=8)
+    cache = OutputCache(max_requests=8)
     drafter = SuffixDrafter(CPU, cache)
     answer = [30, 31, 32, 33, 34, 35, 36, 37]
     drafter.begin([1, 2], tenant="key-a/")
-    drafter.propose([1, 2, *answer], 4, None)  # the request's sequence, as the engine passes it
-    drafter.begin([3, 4], tenant="key-a/")  # the first request's output joins key-a's index
+    drafter.propose([1, 2, *answer], 4, None)  # the request's own sequence is not shared by itself
+    drafter.begin([3, 4], tenant="key-a/")
+    assert proposed(drafter, [3, 4, 30, 31, 32], k=4) == []
+    cache.add("key-a/", answer)  # what the engine remembers of an output its client received
+    drafter.begin([3, 4], tenant="key-a/")
     assert proposed(drafter, [3, 4, 30, 31, 32], k=4) == [33, 34, 35, 36]
     drafter.begin([3, 4], tenant="key-b/")
     assert proposed(drafter, [3, 4, 30, 31, 32], k=4) == []
@@ -58,7 +62,7 @@ def test_outputs_are_shared_within_a_tenant_and_never_across():
 
 
 def test_the_shared_cache_is_bounded_and_forgets_the_oldest():
-    cache = SuffixCache(max_requests=2)
+    cache = OutputCache(max_requests=2)
     for start in (100, 200, 300):
         cache.add("t", list(range(start, start + 5)))
     index = cache.index("t")
@@ -76,3 +80,27 @@ def test_global_matching_can_be_turned_off():
     first = [t for o in engine.generate(Request("a", [5, 6, 7], params)) for t in o.token_ids]
     second = list(engine.generate(Request("b", [8, 9, *first[:4]], params)))
     assert second[-1].stats.drafter == "suffix"
+
+
+def test_an_engine_remembers_only_what_it_is_told_reached_the_client():
+    engine = tiny_engine(tiny_llama(seed=1, vocab_size=64), None, drafter="suffix")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = [t for o in engine.generate(Request("a", [5, 6, 7], params, tenant="t")) for t in o.token_ids]
+    assert engine.outputs.stats["requests"] == 0  # generating alone adds nothing
+    engine.remember("t", first[:6])  # the client received six tokens
+    probe = Request("b", [9, *first[:3]], SamplingParams(max_tokens=4, temperature=0.0), tenant="t")
+    assert list(engine.generate(probe))[-1].stats.drafted_tokens > 0  # a match within what was sent
+    tail = first[7:10]
+    assert all(first[i : i + 3] != tail for i in range(4))  # the tail does not recur in the sent part
+    past = Request("c", [9, *tail], SamplingParams(max_tokens=4, temperature=0.0), tenant="t")
+    assert list(engine.generate(past))[-1].stats.drafted_tokens == 0  # the unsent tail is unknown
+
+
+def test_every_drafter_that_matches_outputs_reads_one_cache_bounded_in_total():
+    engine = tiny_engine(tiny_llama(seed=1, vocab_size=64), tiny_llama(seed=2, vocab_size=64), suffix_cache_requests=3)
+    suffix = engine.drafter("suffix")
+    assert engine.drafter("auto").candidates["suffix"].cache is suffix.cache is engine.outputs
+    assert engine.drafter("staged", ("suffix", "model")).stages[0].cache is engine.outputs
+    for tenant in ("a", "b", "c", "d", "e"):
+        engine.remember(tenant, [1, 2, 3, 4])
+    assert engine.outputs.stats["requests"] == 3  # one bound for the server, not one per drafter

@@ -13,6 +13,7 @@ from ..spec import sample_one
 if TYPE_CHECKING:
     from ..config import EngineConfig  # noqa: F401
     from ..model import CausalLM
+    from ..outputs import OutputCache
     from ..sampling import RequestSampler
 
 
@@ -135,3 +136,4 @@ class DraftResources:
     target: CausalLM
     draft: CausalLM | None
     draft_agreement: float | None = None  # the draft's agreement with the target, where start-up measured it
+    outputs: OutputCache | None = None  # the engine's recent outputs, one cache whichever drafters read it
