@@ -37,6 +37,7 @@ class EngineConfig:
     ngram_sizes: tuple[int, int] = (1, 4)  # n-gram lookup tries the longest n first
     self_layers: tuple[int, ...] | None = None  # layers the self drafter runs; None: calibrated or measured best
     medusa_heads: str | None = None  # a Medusa head checkpoint folder; None: the one shipped for the target
+    draft_head: str | None = None  # an EAGLE-3 head (folder or hub id) for the eagle3 drafter
     stages: tuple[str, ...] = ("ngram", "model")  # the staged drafter's chain, cheapest first
     suffix_global: bool = True  # the suffix drafter also matches recent outputs of the same tenant
     suffix_cache_requests: int = 64  # how many recent outputs it keeps, across tenants; the oldest go first

@@ -63,6 +63,10 @@ class CausalLM:
         self.max_len = max_len
         self.last_hidden: torch.Tensor | None = None  # [N, E] normalised final hidden states of the last extend
         self._last_hidden_end = 0  # the position after the last row of last_hidden
+        # layers whose incoming residual stream every full forward also keeps (an EAGLE-3 head's
+        # features), and what the last extend kept: [T, len(aux_layers) * E] for all its new tokens
+        self.aux_layers: tuple[int, ...] = ()
+        self.last_aux: torch.Tensor | None = None
         self.cache = KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
         # Rotary tables for every position, computed once by the checkpoint's own rotary module.
         positions = torch.arange(max_len, device=self.device)[None]  # [1, S]
@@ -90,11 +94,23 @@ class CausalLM:
         """Append ``token_ids`` (a list, or a [T] device tensor of sampled tokens) to the cache and
         return logits [num_logits, V] for the last positions (none: a read for the cache alone)."""
         start = self.cache.length
-        hidden, logits = self._forward(self._input(token_ids, start), start, None, num_logits)  # [N, E], [N, V]
+        aux: list[torch.Tensor] | None = [] if self.aux_layers else None
+        hidden, logits = self._forward(self._input(token_ids, start), start, None, num_logits, aux)  # [N, E], [N, V]
         self.cache.append(token_ids if isinstance(token_ids, list) else token_ids.shape[0])
         self.last_hidden = hidden  # [N, E] normalised, for drafters reading features
         self._last_hidden_end = self.cache.length
+        self.last_aux = torch.cat(aux, dim=-1) if aux else None  # [T, A*E]
         return logits
+
+    def aux_rows(self, start: int, end: int) -> torch.Tensor | None:
+        """The kept residual streams [end - start, A*E] of positions [start, end), if the last
+        extend computed them all."""
+        if self.last_aux is None:
+            return None
+        first = self._last_hidden_end - self.last_aux.shape[0]
+        if start < first or end > self._last_hidden_end or start > end:
+            return None
+        return self.last_aux[start - first : end - first]
 
     def hidden_at(self, position: int) -> torch.Tensor | None:
         """The normalised final hidden state [E] at ``position`` from the last extend, if it computed one."""
@@ -113,9 +129,15 @@ class CausalLM:
         return logits  # [N, V]
 
     def _forward(
-        self, input_ids: torch.Tensor, start: int, layers: tuple[int, ...] | None, num_logits: int
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        layers: tuple[int, ...] | None,
+        num_logits: int,
+        aux: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normalised hidden [N, E], logits [N, V]) of the last ``num_logits`` of the new tokens."""
+        """(normalised hidden [N, E], logits [N, V]) of the last ``num_logits`` of the new tokens;
+        ``aux`` collects the residual streams entering ``aux_layers`` ([T, E] each)."""
         layers = layers if layers is not None else self.all_layers
         if self.runner is not None and self.runner.handles(input_ids.shape[0]):
             hidden, logits = self.runner.run(input_ids, start, layers)  # [T, E], [T, V]
@@ -123,7 +145,7 @@ class CausalLM:
             return hidden[first:], logits[first:]
         end = start + input_ids.shape[0]
         masked = input_ids.shape[0] > 1
-        hidden = self._body(input_ids, self.positions[start:end], end, layers, masked, num_logits)  # [N, E]
+        hidden = self._body(input_ids, self.positions[start:end], end, layers, masked, num_logits, aux=aux)  # [N, E]
         return hidden, self.logits(hidden)
 
     def static_forward(
@@ -206,10 +228,12 @@ class CausalLM:
         masked: bool,
         num_out: int,
         chunks: int = 0,
+        aux: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids [T] at positions [T], attending over cache positions [0, window) -> the final
         normalised hidden states [N, E] of the last ``num_out`` tokens. Each residual connection is
-        added where the next norm reads it, in one kernel with it when the kernels are compiled."""
+        added where the next norm reads it, in one kernel with it when the kernels are compiled.
+        ``aux`` (a list) receives the residual stream [T, E] entering each of ``aux_layers``."""
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
         mask = None  # unmasked only when T = 1 and the window ends at its position
         if masked:  # query i (at positions[i]) sees keys [0, positions[i]]
@@ -220,6 +244,8 @@ class CausalLM:
         for index in layers:
             layer = self.layers[index]
             hidden, x = self._add_norm(hidden, delta, layer.input_layernorm)
+            if aux is not None and index in self.aux_layers:
+                aux.append(hidden[0])  # [T, E] the residual stream entering this layer
             delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, chunks)
             hidden, x = self._add_norm(hidden, delta, layer.post_attention_layernorm)
             delta = self._mlp(layer.mlp, x)

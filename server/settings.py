@@ -96,6 +96,10 @@ class ServeSettings(BaseSettings):
     medusa_heads: str | None = engine_field(
         "medusa_heads", "Medusa head checkpoint folder (default: the heads shipped for the target)"
     )
+    draft_head: str | None = engine_field(
+        "draft_head",
+        "an EAGLE-3 head for --drafter eagle3: a folder (EAGLE, SpecForge or speculators layout) or hub id",
+    )
     stages: str = engine_field(
         "stages", "the staged drafter's chain, cheapest first", shown=",".join(ENGINE_DEFAULTS["stages"])
     )

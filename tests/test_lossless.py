@@ -26,6 +26,7 @@ ALPHA = 1e-3  # a correct sampler fails this by chance once in a thousand runs; 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Half precision runs the drafters the issue names (and target-only, the control below); float32 runs all.
 HALF_PRECISION_SETUPS = ("model", "ngram", "staged-ngram-model")
+UNTRAINED_HEADS = ("eagle3",)  # random weights: exactness is the point, not acceptance
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,11 @@ MATRIX = (
         pytest.param(dtype, setup, *case.values, id=f"{dtype}-{setup}-{case.id}")
         for dtype in ("bfloat16", "float16")
         for setup in HALF_PRECISION_SETUPS
+        for case in CASES
+        if case.id == "2tok-topk"
+    ]
+    + [  # a head's q through half-precision products too
+        pytest.param("bfloat16", "eagle3", *case.values, id=f"bfloat16-eagle3-{case.id}")
         for case in CASES
         if case.id == "2tok-topk"
     ]
@@ -215,7 +221,8 @@ def test_greedy_speculative_equals_target_greedy(setup, num_draft_tokens):
         outputs = list(engine.generate(Request("g", prompt, SamplingParams(max_tokens=24, temperature=0.0))))
         assert [t for o in outputs for t in o.token_ids] == expected
         total.add(outputs[-1].stats)
-    assert total.drafted_tokens > 0 and total.accepted_tokens > 0
+    # a random EAGLE-3 head seldom names the target's argmax: its drafts are checked, rarely kept
+    assert total.drafted_tokens > 0 and (total.accepted_tokens > 0 or setup in UNTRAINED_HEADS)
 
 
 # Half precision: a verify pass computes k+1 rows in one matrix product, a decode step one row, and the

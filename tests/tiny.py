@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import tempfile
 from pathlib import Path
 
@@ -135,6 +136,7 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
     "staged-ngram-model": (True, {"drafter": "staged", "stages": ("ngram", "model")}),
     "staged-self-model": (True, {"drafter": "staged", "stages": ("self", "model"), "self_layers": (1,)}),
     "medusa": (False, {"drafter": "medusa"}),  # random heads, written for the target by setup_engine
+    "eagle3": (False, {"drafter": "eagle3"}),  # a random EAGLE-3 head, written for the target by setup_engine
 }
 
 
@@ -161,10 +163,79 @@ def random_medusa_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> 
     return folder
 
 
+def random_eagle3_head(
+    target: PreTrainedModel,
+    aux_layers: tuple[int, ...] | None = None,
+    layout: str = "eagle",
+    draft_vocab: int | None = None,
+    seed: int = 0,
+    scale: float = 0.5,
+) -> Path:
+    """An EAGLE-3 head with random weights for ``target``, in the EAGLE/SpecForge layout or the
+    speculators one, over a draft vocabulary of ``draft_vocab`` of the target's ids (a random
+    subset, so draft ids map to other target ids through d2t)."""
+    config = target.config
+    hidden, vocab = config.hidden_size, config.vocab_size
+    layers = aux_layers or tuple(range(min(3, config.num_hidden_layers)))
+    draft_vocab = draft_vocab or vocab // 2
+    generator = torch.Generator().manual_seed(seed)
+    head_dim = hidden // 4
+    shapes = {
+        "fc.weight": (hidden, len(layers) * hidden),
+        "midlayer.self_attn.q_proj.weight": (4 * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": (2 * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": (2 * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": (hidden, 4 * head_dim),
+        "midlayer.mlp.gate_proj.weight": (2 * hidden, hidden),
+        "midlayer.mlp.up_proj.weight": (2 * hidden, hidden),
+        "midlayer.mlp.down_proj.weight": (hidden, 2 * hidden),
+        "lm_head.weight": (draft_vocab, hidden),
+    }
+    weights = {
+        name: torch.randn(shape, generator=generator) * scale / shape[1] ** 0.5 for name, shape in shapes.items()
+    }
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        weights[f"{norm}.weight"] = torch.ones(hidden)
+    chosen = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values  # target ids, ascending
+    weights["d2t"] = chosen - torch.arange(draft_vocab)
+    head_config = {
+        "hidden_size": hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "intermediate_size": 2 * hidden,
+        "rms_norm_eps": config.rms_norm_eps,
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+    folder = Path(tempfile.mkdtemp(prefix="eagle3-"))
+    if layout == "eagle":
+        from engine.eagle3_head import save_head
+
+        save_head(weights, {**head_config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}, folder)
+    else:  # speculators: the layer's config nested, its weights under layers.0
+        from safetensors.torch import save_file
+
+        speculators = {
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": head_config,
+            "draft_vocab_size": draft_vocab,
+            "norm_before_residual": False,
+            "eagle_aux_hidden_state_layer_ids": list(layers),
+        }
+        (folder / "config.json").write_text(json.dumps(speculators))
+        renamed = {name.replace("midlayer.", "layers.0."): tensor for name, tensor in weights.items()}
+        save_file({name: tensor.contiguous() for name, tensor in renamed.items()}, folder / "model.safetensors")
+    return folder
+
+
 def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, **kwargs) -> SpecEngine:
     needs_draft, options = {**DRAFTER_SETUPS, **DEVICE_PATH_SETUPS}[setup]
     if options["drafter"] == "medusa":
         options = {**options, "medusa_heads": str(random_medusa_heads(target.config.hidden_size))}
+    if options["drafter"] == "eagle3":
+        options = {**options, "draft_head": str(random_eagle3_head(target, seed=1))}
     if options.get("draft_ref") == "copy:int8":  # quantized from a bfloat16 copy, as the loader makes one
         draft = copy.deepcopy(draft).to(torch.bfloat16)
     engine = tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
