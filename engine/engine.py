@@ -76,7 +76,7 @@ class SpecEngine:
         sizes = [model.vocab_size for model in (target, draft) if model is not None]
         self.vocab_size = min(sizes + ([tokenizer_size] if tokenizer_size else []))
         # recent outputs, for drafters that match text across requests: one cache, bounded in total
-        self.outputs = OutputCache(config.suffix_cache_requests)
+        self.outputs = OutputCache(config.suffix_cache_requests if config.suffix_global else 0)
         self.drafters = DrafterSet(DraftResources(config, target, draft, draft_agreement, self.outputs))
         self._cache_scope: str | None = None  # whose tokens the KV caches hold now
         self._costs: dict[str, StepCosts] = {}  # what each drafter's steps cost here, learned across requests
