@@ -21,7 +21,8 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 from host import host  # noqa: E402
 
-from engine.drafters.suffix import SuffixCache, SuffixDrafter  # noqa: E402
+from engine.drafters.suffix import SuffixDrafter  # noqa: E402
+from engine.outputs import OutputCache  # noqa: E402
 
 
 def text(rng: random.Random, length: int, phrases: list[list[int]]) -> list[int]:
@@ -45,7 +46,7 @@ def main() -> None:
 
     rng = random.Random(0)
     phrases = [[rng.randrange(5000) for _ in range(rng.randrange(4, 24))] for _ in range(300)]
-    cache = SuffixCache(args.cached_requests)
+    cache = OutputCache(args.cached_requests)
     started = time.perf_counter()
     for _ in range(args.cached_requests):
         cache.add("tenant", text(rng, args.output_tokens, phrases))
