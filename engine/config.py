@@ -125,3 +125,8 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How logs and descriptions name a dtype: "float32" for torch.float32."""
+    return str(dtype).removeprefix("torch.")

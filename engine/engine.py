@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import AdaptiveK, StepCosts
-from .config import NO_DRAFTER, EngineConfig
+from .config import NO_DRAFTER, EngineConfig, dtype_name
 from .drafters import Drafter, DrafterSet, DraftResources, Proposal
 from .loader import generation_defaults
 from .model import CausalLM
@@ -108,9 +108,9 @@ class SpecEngine:
             num_draft_tokens=self.config.num_draft_tokens,
             adaptive_k=self.config.adaptive_k,
             draft=self.config.draft if draft is not None else None,
-            draft_dtype=None if draft is None else _dtype_name(draft.dtype),
+            draft_dtype=None if draft is None else dtype_name(draft.dtype),
             device=str(self.target.device),
-            dtype=_dtype_name(self.target.dtype),
+            dtype=dtype_name(self.target.dtype),
             weight_bytes=self.weight_bytes,
             cache_bytes=self.cache_bytes,
             warm_up=self.warm_up_report,
@@ -301,7 +301,3 @@ class SpecEngine:
         if seq.policy is not None:
             seq.policy.observe(k, n, record.draft_seconds, record.verify_seconds, timed=seq.num_generated > 0)
         return _StepResult(verdict.token_ids, logits[: n + 1], record)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import DTYPES, ConfigError, EngineConfig
+from .config import DTYPES, ConfigError, EngineConfig, dtype_name
 
 if TYPE_CHECKING:  # transformers takes a second to import: the start-up checks run without it
     from transformers import PreTrainedTokenizerBase
@@ -129,7 +129,7 @@ def describe(model: torch.nn.Module) -> str:
     """'135M params, 538 MB float32 on cpu'"""
     params = list(model.parameters())
     count, size = sum(p.numel() for p in params), sum(p.nbytes for p in params)
-    return f"{count / 1e6:,.0f}M params, {size / 2**20:,.0f} MB {str(params[0].dtype).removeprefix('torch.')} on {params[0].device}"
+    return f"{count / 1e6:,.0f}M params, {size / 2**20:,.0f} MB {dtype_name(params[0].dtype)} on {params[0].device}"
 
 
 def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:

@@ -219,7 +219,7 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
             generation_defaults=settings.generation_config == "auto",
         )
         app.state.serving = Serving.over(core)
-        log.info("%s", startup_summary(engine.description, name, settings, app.state.tenancy))
+        log.info("%s", startup_summary(engine.description, name, settings, app.state.tenancy, core.defaults))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -251,7 +251,9 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
     return app
 
 
-def startup_summary(engine: EngineDescription, name: str, settings: ServeSettings, tenancy: Tenancy) -> str:
+def startup_summary(
+    engine: EngineDescription, name: str, settings: ServeSettings, tenancy: Tenancy, defaults: dict
+) -> str:
     """One line saying what runs where: models, device, dtype, drafter, k, memory, URL."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux reports kB)
     drafter = engine.default_drafter or "none (target alone)"
@@ -264,14 +266,14 @@ def startup_summary(engine: EngineDescription, name: str, settings: ServeSetting
         f"drafter {drafter}, k={k}{engine.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
         f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
         + (f" | {engine.warm_up}" if engine.warm_up else "")
-        + f" | {_request_defaults(engine, settings)}"
+        + f" | {_request_defaults(defaults)}"
         + f" | {tenancy.describe()}"
     )
 
 
-def _request_defaults(engine: EngineDescription, settings: ServeSettings) -> str:
-    """What a request that sets nothing gets, and where that comes from."""
-    if settings.generation_config == "auto" and engine.generation_defaults:
-        given = ", ".join(f"{key} {value:g}" for key, value in engine.generation_defaults.items())
+def _request_defaults(defaults: dict) -> str:
+    """What a request that sets nothing gets (``ServingCore.defaults``), and where that comes from."""
+    if defaults:
+        given = ", ".join(f"{key} {value:g}" for key, value in defaults.items())
         return f"request defaults from the model's generation config: {given} (--generation-config none: OpenAI's)"
     return "request defaults: OpenAI's (temperature 1, chat to the end of the context)"

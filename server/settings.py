@@ -233,7 +233,7 @@ def _extra(info: FieldInfo) -> dict:
 def _kind(annotation: Any) -> tuple[type, tuple | None]:
     """(the type a flag's text converts to, its choices) for a field's annotation."""
     args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType, Annotated):
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return _kind(args[0])
     if typing.get_origin(annotation) is list:
         return list, None

@@ -51,10 +51,6 @@ class Tenancy:
         shared = share == "on" or (share == "auto" and (bool(table) or is_loopback(host)))
         return cls(table, shared)
 
-    @property
-    def requires_key(self) -> bool:
-        return bool(self.keys)
-
     def tenant_of(self, authorization: str | None) -> str | None:
         """The tenant a request's ``Authorization`` header names; None if it names none (refused).
         Without keys, every request is the one tenant ""."""

@@ -92,7 +92,7 @@ class DrafterSet:
     @property
     def runnable(self) -> list[str]:
         """The drafters a request may ask for here, besides "none" (the target alone)."""
-        return sorted(self.built.keys() - self.problems.keys())
+        return sorted(self.built)  # what failed to build is in problems instead
 
     def check(self, name: str, stages: tuple[str, ...] | None = None) -> None:
         """Raise a ConfigError, naming ``name`` and what can run instead, unless a request may use it.
