@@ -130,3 +130,28 @@ class EngineConfig:
 def dtype_name(dtype: torch.dtype) -> str:
     """How logs and descriptions name a dtype: "float32" for torch.float32."""
     return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Eagle3Training:
+    """How ``specserve train-eagle3`` trains a head (engine/eagle3_training.py)."""
+
+    draft_vocab: int = 4096  # the head's vocabulary: the target tokens its answers use most
+    ttt_steps: int = 4  # draft steps the head is unrolled over (training-time test)
+    epochs: float = 4.0
+    lr: float = 1e-3
+    batch_tokens: int = 4096  # rows per optimiser step
+    window: int = 512  # rows of one conversation the head sees at once
+    max_new_tokens: int = 320  # the longest answer regenerated per turn
+    generate_batch: int = 32  # conversations answered together
+    limit: int | None = None  # only the first prompts of the set
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("draft_vocab", "ttt_steps", "batch_tokens", "window", "max_new_tokens", "generate_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.epochs <= 0 or self.lr <= 0:
+            raise ConfigError(f"epochs and lr must be positive, got {self.epochs} and {self.lr}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit must be at least 1, got {self.limit}")

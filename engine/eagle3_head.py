@@ -64,6 +64,8 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))  # target id = i + d2t[i]
         self.target = target
+        self.name = "(unnamed)"  # the folder it was loaded from
+        self.acceptance: float | None = None  # what its training measured on held-out answers, if recorded
         self.vocab_size = target.vocab_size
         rope = LlamaConfig(**{**config, "head_dim": self.head_dim, "max_position_embeddings": target.max_len})
         positions = torch.arange(target.max_len)[None]  # [1, S]
@@ -78,6 +80,15 @@ class Eagle3Head(nn.Module):
         self.to(device=self.target.device, dtype=self.target.dtype)
         self.draft_to_target = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t  # [Vd]
         return self
+
+    def describe(self) -> str:
+        """'EAGLE-3 head SmolLM2-135M-Instruct (9.8M params, draft vocabulary 8192, features of layers 2, 15, 27)'"""
+        params = sum(p.numel() for p in self.parameters())
+        layers = ", ".join(map(str, self.aux_layers))
+        return (
+            f"EAGLE-3 head {self.name} ({params / 1e6:.1f}M params, draft vocabulary {self.lm_head.out_features}, "
+            f"features of layers {layers})"
+        )
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [T, A*E] -> the head's [T, H]."""
@@ -99,7 +110,7 @@ class Eagle3Head(nn.Module):
         k = attn.k_proj(x).view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
         v = attn.v_proj(x).view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)  # [T, D]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         window = start + count
         keys, values = self.cache.write(0, positions, k, v, window)  # [1, Hkv, W, D]
         mask = None if count == 1 else self.target.positions[None, :window] <= positions[:, None]  # [T, W]
@@ -116,7 +127,7 @@ class Eagle3Head(nn.Module):
         return logits, hidden[-1:]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [1, heads, T, D] at cos / sin [T, D] (halves rotated, as Llama)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -153,9 +164,18 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {name.replace(SPECULATORS_LAYER, LAYER): tensor for name, tensor in weights.items() if name not in unused}
 
 
+SHIPPED = Path(__file__).parent / "eagle3_heads"
+
+
+def shipped_head(model_name: str) -> Path:
+    """Where the head shipped for ``model_name`` lives (it may not exist)."""
+    return SHIPPED / model_name.rstrip("/").split("/")[-1]
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """2, L/2 and L-3: the layers vLLM and SGLang take features from."""
-    return (2, num_layers // 2, num_layers - 3)
+    """2, L/2 and L-3: the layers vLLM and SGLang take features from (fewer, distinct, on a target
+    too shallow for three)."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}))
 
 
 def load_head(ref: str, target: CausalLM) -> Eagle3Head:
@@ -189,6 +209,10 @@ def load_head(ref: str, target: CausalLM) -> Eagle3Head:
         raise ConfigError(f"draft_head: {folder} lacks {', '.join(missing[:4])}")
     if int((torch.arange(head.d2t.shape[0]) + head.d2t).max()) >= target.vocab_size:
         raise ConfigError("draft_head: its d2t maps draft ids past the target's vocabulary")
+    head.name = folder.name
+    report = folder / "training.json"
+    if report.is_file():
+        head.acceptance = json.loads(report.read_text()).get("held_out_acceptance")
     return head.finish()
 
 

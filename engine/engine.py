@@ -105,6 +105,9 @@ class SpecEngine:
                 name: self.drafters.problems.get(name) for name in [*self.drafters.built, *self.drafters.problems]
             },
             default_drafter=self.default_drafter,
+            drafter_models={
+                name: drafter.own_model for name, drafter in self.drafters.built.items() if drafter.own_model
+            },
             num_draft_tokens=self.config.num_draft_tokens,
             adaptive_k=self.config.adaptive_k,
             draft=self.config.draft if draft is not None else None,

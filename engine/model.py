@@ -63,10 +63,11 @@ class CausalLM:
         self.max_len = max_len
         self.last_hidden: torch.Tensor | None = None  # [N, E] normalised final hidden states of the last extend
         self._last_hidden_end = 0  # the position after the last row of last_hidden
-        # layers whose incoming residual stream every full forward also keeps (an EAGLE-3 head's
-        # features), and what the last extend kept: [T, len(aux_layers) * E] for all its new tokens
+        # layers whose incoming residual stream every forward also writes, by position, into
+        # ``features`` (an EAGLE-3 head's; ``keep_features``); positions below the cache's length hold
+        # the streams of the committed tokens, as its keys and values do
         self.aux_layers: tuple[int, ...] = ()
-        self.last_aux: torch.Tensor | None = None
+        self.features: torch.Tensor | None = None  # [A, S, E]
         self.cache = KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, self.dtype, self.device)
         # Rotary tables for every position, computed once by the checkpoint's own rotary module.
         positions = torch.arange(max_len, device=self.device)[None]  # [1, S]
@@ -94,23 +95,29 @@ class CausalLM:
         """Append ``token_ids`` (a list, or a [T] device tensor of sampled tokens) to the cache and
         return logits [num_logits, V] for the last positions (none: a read for the cache alone)."""
         start = self.cache.length
-        aux: list[torch.Tensor] | None = [] if self.aux_layers else None
-        hidden, logits = self._forward(self._input(token_ids, start), start, None, num_logits, aux)  # [N, E], [N, V]
+        hidden, logits = self._forward(self._input(token_ids, start), start, None, num_logits)  # [N, E], [N, V]
         self.cache.append(token_ids if isinstance(token_ids, list) else token_ids.shape[0])
         self.last_hidden = hidden  # [N, E] normalised, for drafters reading features
         self._last_hidden_end = self.cache.length
-        self.last_aux = torch.cat(aux, dim=-1) if aux else None  # [T, A*E]
         return logits
 
-    def aux_rows(self, start: int, end: int) -> torch.Tensor | None:
-        """The kept residual streams [end - start, A*E] of positions [start, end), if the last
-        extend computed them all."""
-        if self.last_aux is None:
-            return None
-        first = self._last_hidden_end - self.last_aux.shape[0]
-        if start < first or end > self._last_hidden_end or start > end:
-            return None
-        return self.last_aux[start - first : end - first]
+    def keep_features(self, layers: tuple[int, ...]) -> None:
+        """From now on every forward (eager, compiled or replayed) also writes the residual stream
+        entering ``layers`` at its positions. Set before a runner compiles or captures: the layers
+        are part of what it traces."""
+        if tuple(sorted(layers)) == self.aux_layers:
+            return
+        self.aux_layers = tuple(sorted(layers))
+        if self.runner is not None:
+            self.runner.forget()
+        shape = (len(layers), self.max_len, self.config.hidden_size)
+        self.features = torch.zeros(shape, dtype=self.dtype, device=self.device) if layers else None
+
+    def feature_rows(self, start: int, end: int) -> torch.Tensor:
+        """The kept streams [end - start, A*E] of committed positions [start, end), lowest layer first."""
+        if self.features is None or not 0 <= start <= end <= self.cache.length:
+            raise ValueError(f"no features for positions [{start}, {end}) of {self.cache.length} committed")
+        return self.features[:, start:end].transpose(0, 1).flatten(1)
 
     def hidden_at(self, position: int) -> torch.Tensor | None:
         """The normalised final hidden state [E] at ``position`` from the last extend, if it computed one."""
@@ -134,10 +141,8 @@ class CausalLM:
         start: int,
         layers: tuple[int, ...] | None,
         num_logits: int,
-        aux: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normalised hidden [N, E], logits [N, V]) of the last ``num_logits`` of the new tokens;
-        ``aux`` collects the residual streams entering ``aux_layers`` ([T, E] each)."""
+        """(normalised hidden [N, E], logits [N, V]) of the last ``num_logits`` of the new tokens."""
         layers = layers if layers is not None else self.all_layers
         if self.runner is not None and self.runner.handles(input_ids.shape[0]):
             hidden, logits = self.runner.run(input_ids, start, layers)  # [T, E], [T, V]
@@ -145,7 +150,7 @@ class CausalLM:
             return hidden[first:], logits[first:]
         end = start + input_ids.shape[0]
         masked = input_ids.shape[0] > 1
-        hidden = self._body(input_ids, self.positions[start:end], end, layers, masked, num_logits, aux=aux)  # [N, E]
+        hidden = self._body(input_ids, self.positions[start:end], end, layers, masked, num_logits)  # [N, E]
         return hidden, self.logits(hidden)
 
     def static_forward(
@@ -228,12 +233,11 @@ class CausalLM:
         masked: bool,
         num_out: int,
         chunks: int = 0,
-        aux: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids [T] at positions [T], attending over cache positions [0, window) -> the final
         normalised hidden states [N, E] of the last ``num_out`` tokens. Each residual connection is
         added where the next norm reads it, in one kernel with it when the kernels are compiled.
-        ``aux`` (a list) receives the residual stream [T, E] entering each of ``aux_layers``."""
+        The residual stream entering each of ``aux_layers`` goes to ``features`` at ``positions``."""
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
         mask = None  # unmasked only when T = 1 and the window ends at its position
         if masked:  # query i (at positions[i]) sees keys [0, positions[i]]
@@ -244,8 +248,8 @@ class CausalLM:
         for index in layers:
             layer = self.layers[index]
             hidden, x = self._add_norm(hidden, delta, layer.input_layernorm)
-            if aux is not None and index in self.aux_layers:
-                aux.append(hidden[0])  # [T, E] the residual stream entering this layer
+            if index in self.aux_layers:  # [T, E] the residual stream entering this layer, in place
+                self.features[self.aux_layers.index(index)].index_copy_(0, positions, hidden[0])
             delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, chunks)
             hidden, x = self._add_norm(hidden, delta, layer.post_attention_layernorm)
             delta = self._mlp(layer.mlp, x)

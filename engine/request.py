@@ -79,6 +79,8 @@ class EngineDescription:
     weight_bytes: int
     cache_bytes: int
     warm_up: str  # how the forwards were prepared at start-up (empty if they were not)
+    # models drafters run of their own (an EAGLE-3 head), described, by drafter name
+    drafter_models: dict[str, str] = field(default_factory=dict)
     # request defaults the model's generation config sets, by request field ("temperature", "max_tokens", ...)
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
 

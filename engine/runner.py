@@ -90,6 +90,10 @@ class GraphRunner:
         self.attention: dict[int, int] = {}  # window -> split_attention's chunks; absent or 0: one SDPA call
         self.attention_ms: dict[int, tuple[float, float]] = {}  # window -> measured (SDPA, split) ms
 
+    def forget(self) -> None:
+        """Drop every variant: what the model's forward does changed (``CausalLM.keep_features``)."""
+        self._variants.clear()
+
     def handles(self, num_tokens: int) -> bool:
         """Decode-shaped: few enough new tokens to have a variant (prefill stays eager)."""
         return num_tokens <= self.max_query

@@ -109,6 +109,7 @@ def _card(request: Request) -> ModelCard:
         default_drafter=described.default_drafter or "none",
         drafter_tokens_per_s=core.engine.drafter_speeds(),
         draft=described.draft,
+        drafter_models=described.drafter_models,
     )
 
 
@@ -260,6 +261,7 @@ def startup_summary(
     others = ", ".join(name for name in engine.runnable_drafters if name != engine.default_drafter) or "none"
     k = "adaptive, up to " if engine.adaptive_k else ""
     draft_text = "none" if engine.draft is None else f"{engine.draft} ({engine.draft_dtype})"
+    draft_text += "".join(f" | {name}: {model}" for name, model in engine.drafter_models.items())
     return (
         f"ready: serving {name!r} at http://{settings.host}:{settings.port} | target on {engine.device}, "
         f"{engine.dtype}, {torch.get_num_threads()} threads | draft {draft_text} | "

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; mod
 os.environ.setdefault("TQDM_DISABLE", "1")  # no library's bars; specserve's loading bar turns itself on
 set_wait_policy()
 
-from engine.config import ConfigError  # noqa: E402  (imports torch)
+from engine.config import ConfigError, Eagle3Training  # noqa: E402  (imports torch)
 
 from .logs import configure_logging  # noqa: E402
 from .settings import ServeSettings, add_arguments  # noqa: E402
@@ -55,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
     medusa.add_argument("--minutes", type=float, default=3.0, help="training time budget")
     medusa.add_argument("--max-chars", type=int, default=120_000, help="standard-library text to use")
     medusa.add_argument("--chat-samples", type=int, default=10, help="greedy chat answers to self-distil from")
+    eagle = commands.add_parser(
+        "train-eagle3", help="train an EAGLE-3 head for a target by self-distillation", allow_abbrev=False
+    )
+    eagle.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
+    eagle.add_argument("--out", default=None, help="head folder (default: the shipped head's folder)")
+    for name, field in Eagle3Training.__dataclass_fields__.items():
+        flag = "--" + name.replace("_", "-")
+        kind = float if field.type == "float" else int
+        eagle.add_argument(flag, type=kind, default=field.default, help=f"(default {field.default})")
     calib = commands.add_parser("calibrate-self", help="choose the layers the self drafter keeps", allow_abbrev=False)
     calib.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
     calib.add_argument("--keep", type=int, default=None, help="layers to keep (default: half)")
@@ -90,6 +99,16 @@ def train_medusa_command(args: dict) -> None:
         args["chat_samples"],
     )
     print(json.dumps({"out": str(out), **report}, indent=2))
+
+
+def train_eagle3_command(args: dict) -> None:
+    from pathlib import Path
+
+    from engine.eagle3_training import train_eagle3
+
+    settings = Eagle3Training(**{name: args[name] for name in Eagle3Training.__dataclass_fields__})
+    out = Path(args["out"]) if args["out"] else None
+    print(json.dumps(train_eagle3(args["target"], out, settings), indent=2))
 
 
 def calibrate_self_command(args: dict) -> None:
@@ -196,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             commands = {
                 "train-medusa": train_medusa_command,
+                "train-eagle3": train_eagle3_command,
                 "calibrate-self": calibrate_self_command,
                 "chat": chat_command,
             }

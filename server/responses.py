@@ -158,6 +158,8 @@ class ModelCard(BaseModel):
     drafter_tokens_per_s: dict[str, float] = Field(default_factory=dict)
     # the draft model loaded: a ref, or the copy of the target it is ("copy:int8" where copy:auto chose it); None: none
     draft: str | None = None
+    # models drafters run of their own, by drafter: {"eagle3": "EAGLE-3 head ... (9.8M params, ...)"}
+    drafter_models: dict[str, str] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

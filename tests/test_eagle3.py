@@ -66,10 +66,10 @@ def test_the_heads_cache_after_many_steps_is_the_one_computed_at_once():
     kept = head.cache.length
     assert kept > len(prompt)
     fresh_target = CausalLM(target_hf, 256)
-    fresh_target.aux_layers = head.aux_layers
+    fresh_target.keep_features(head.aux_layers)
     fresh_target.extend(sequence[:kept], num_logits=0)
     fresh = load_head(str(folder), fresh_target)
-    fresh.step(sequence[1 : kept + 1], fresh.fuse(fresh_target.aux_rows(0, kept)))
+    fresh.step(sequence[1 : kept + 1], fresh.fuse(fresh_target.feature_rows(0, kept)))
     keys, values = head.cache.keys[..., :kept, :], head.cache.values[..., :kept, :]
     assert torch.allclose(keys, fresh.cache.keys[..., :kept, :], atol=1e-5)
     assert torch.allclose(values, fresh.cache.values[..., :kept, :], atol=1e-5)
@@ -99,7 +99,52 @@ def test_a_misfit_head_stops_start_up_in_one_line(tiny_model_dirs, tmp_path):
     assert lines[-1].startswith("specserve: ") and "hidden size 32 differs from the target's 64" in lines[-1]
 
 
-def test_compiled_forwards_are_refused_for_now():
-    target = tiny_llama(seed=3, vocab_size=96, layers=4)
-    with pytest.raises(ConfigError, match="eager target forwards"):
-        eagle_engine(target, random_eagle3_head(target, (0, 1, 3)), forward="compile", compile_backend="aot_eager")
+def test_compiled_forwards_keep_the_features_and_the_targets_output():
+    """The static/compiled forward writes the head's features too: greedy output is the target's,
+    and the features it kept are those an eager forward computes over the whole sequence."""
+    target = tiny_llama(seed=3, vocab_size=96, layers=4, init=0.2)
+    head = random_eagle3_head(target, (0, 1, 3), seed=1, scale=2.0)
+    engine = eagle_engine(target, head, forward="compile", compile_backend="aot_eager")
+    assert engine.target.runner is not None
+    prompt = [5, 6, 7, 8, 5, 6]
+    outputs = list(engine.generate(Request("c", prompt, SamplingParams(max_tokens=20, temperature=0.0))))
+    sequence = prompt + [t for o in outputs for t in o.token_ids]
+    assert sequence[len(prompt) :] == greedy_reference(target, prompt, 20)
+    assert outputs[-1].stats.drafted_tokens > 0 and engine.target.runner.num_variants > 0
+    committed = engine.target.cache.length
+    kept = engine.target.feature_rows(0, committed).clone()
+    eager = CausalLM(target, 256)
+    eager.keep_features((0, 1, 3))
+    eager.extend(sequence[:committed], num_logits=0)
+    assert torch.allclose(kept, eager.feature_rows(0, committed), atol=1e-5)
+
+
+def test_a_served_head_is_named_at_start_up_in_models_usage_and_metrics(tiny_model_dirs, tmp_path):
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import start_server, stop_server
+
+    target, _ = tiny_model_dirs
+    head = random_eagle3_head(AutoModelForCausalLM.from_pretrained(target), (0, 1), seed=1, scale=2.0)
+    log = tmp_path / "server.log"
+    args = ["--target", str(target), "--draft", "none", "--drafter", "auto", "--draft-head", str(head)]
+    server = start_server([*args, "--device", "cpu"], log)
+    try:
+        card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+        assert "eagle3" in card["drafters"] and card["drafter_models"]["eagle3"].startswith("EAGLE-3 head ")
+        body = {
+            "model": card["id"],
+            "prompt": "hello",
+            "max_tokens": 24,
+            "temperature": 0,
+            "speculative": {"drafter": "eagle3"},
+        }
+        usage = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["usage"]
+        assert usage["speculative"]["drafter"] == "eagle3" and usage["speculative"]["drafted_tokens"] > 0
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'drafter="eagle3"' in metrics
+    finally:
+        stop_server(server)
+    startup = next(line for line in log.read_text().splitlines() if "ready: serving" in line)
+    assert "eagle3: EAGLE-3 head" in startup and "params, draft vocabulary" in startup

@@ -26,7 +26,7 @@ ALPHA = 1e-3  # a correct sampler fails this by chance once in a thousand runs; 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Half precision runs the drafters the issue names (and target-only, the control below); float32 runs all.
 HALF_PRECISION_SETUPS = ("model", "ngram", "staged-ngram-model")
-UNTRAINED_HEADS = ("eagle3",)  # random weights: exactness is the point, not acceptance
+UNTRAINED_HEADS = ("eagle3", "eagle3-compiled")  # random weights: exactness is the point, not acceptance
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,7 @@ CASES_FOR = {
     "model-target-kv": ("2tok-topk",),
     "auto-target-kv": ("2tok-topk",),
     "model-int8": ("2tok-topk",),  # a different q, used the same way
+    "auto-eagle3": ("2tok-topk",),
 }
 MATRIX = (
     [

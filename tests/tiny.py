@@ -137,6 +137,9 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
     "staged-self-model": (True, {"drafter": "staged", "stages": ("self", "model"), "self_layers": (1,)}),
     "medusa": (False, {"drafter": "medusa"}),  # random heads, written for the target by setup_engine
     "eagle3": (False, {"drafter": "eagle3"}),  # a random EAGLE-3 head, written for the target by setup_engine
+    # auto with the head among its candidates, switching every step: the head catches up on the
+    # target's kept features after other candidates' steps
+    "auto-eagle3": (True, {"drafter": "auto"}),
 }
 
 
@@ -148,6 +151,8 @@ DEVICE_PATH_SETUPS: dict[str, tuple[bool, dict]] = {
     # the pointwise kernels between products compiled, as under CUDA graphs (engine/kernels.py)
     "model-compiled-kernels": (True, {"drafter": "model", "kernels": "compiled", "compile_backend": "aot_eager"}),
     "model-cutoff-on-device": (True, {"drafter": "model", "min_draft_confidence": 0.3}),
+    # the head's features written by the compiled forward (the static path a GPU captures)
+    "eagle3-compiled": (False, {"drafter": "eagle3", "forward": "compile", "compile_backend": "aot_eager"}),
 }
 
 
@@ -234,7 +239,7 @@ def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, 
     needs_draft, options = {**DRAFTER_SETUPS, **DEVICE_PATH_SETUPS}[setup]
     if options["drafter"] == "medusa":
         options = {**options, "medusa_heads": str(random_medusa_heads(target.config.hidden_size))}
-    if options["drafter"] == "eagle3":
+    if "eagle3" in setup:
         options = {**options, "draft_head": str(random_eagle3_head(target, seed=1))}
     if options.get("draft_ref") == "copy:int8":  # quantized from a bfloat16 copy, as the loader makes one
         draft = copy.deepcopy(draft).to(torch.bfloat16)

@@ -1,16 +1,16 @@
 """auto: at every step, the candidate drafter (and k) with the most expected tokens per second.
 
-Candidates are what can run here: ``suffix``, ``model`` when a draft model is loaded, and the
-staged chain ``suffix,model``; drafting nothing (k = 0) is always an option. For candidate c at k
-drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds, where the
-acceptance a_c is this request's own: accepted tokens over accepted tokens plus rejections, pooled
-over the steps c ran (recent ones weigh more), counting only what c actually proposed. A request starts
-from a prior that finished requests move (for a draft model, first its agreement measured at
-start-up), and a candidate whose steps yield more or less than the geometric estimate (text
-matching's runs are all or nothing) has the estimate scaled by its realised over expected tokens.
-The draft cost d_c and verify cost v(k) are timed at start-up, then measured live on this host and
-shared by requests (v as a line over k that live steps move as a whole, ``StepCosts``; a request's
-first verify, which reads the prompt, is not timed).
+Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with
+a head (named, or shipped for the target, priced by its own timing); and drafting nothing (k = 0).
+For candidate c at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k)
+seconds, where the acceptance a_c is this request's own: accepted over accepted plus rejections,
+pooled over the steps c ran (recent ones weigh more), counting only what c proposed. A request starts
+from a prior that finished requests move (a draft model's, first its agreement measured at start-up;
+a head's, what its training measured); one whose steps yield more or less than the geometric
+estimate (text matching's are all or nothing) has it scaled by its realised over expected tokens.
+Draft cost d_c and verify cost v(k) are timed at start-up, then measured live and shared by
+requests (v as a line over k that live steps move as a whole, ``StepCosts``; a request's first
+verify, which reads the prompt, is not timed).
 
 Text matching is asked first at every step, since its proposal costs next to nothing to make: the
 choice then knows how many tokens it offers and how long a match they continue, and its acceptance
@@ -43,6 +43,7 @@ from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_to
 from ..measure import agreement, extra_row_seconds, fitted_line, prefill_seconds_per_token, read_seconds
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal
+from .eagle3 import head_drafter
 from .registry import build, register
 
 # A text match's acceptance before any request ran, by the length of the match its proposal
@@ -56,8 +57,7 @@ EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a r
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 
 
-def match_track(name: str, match_length: int) -> str:
-    """What a text matcher's proposal is judged by: ``suffix@4`` for a match of 4 to 7 tokens."""
+def match_track(name: str, match_length: int) -> str:  # suffix@4: a match of 4 to 7 tokens
     return f"{name}@{max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))}"
 
 
@@ -136,6 +136,12 @@ class AutoDrafter(Drafter):
                 self.draft_agreement = agreement(draft, target)
             self.expect_agreement(self.draft_agreement)
         self.expect_step_costs(dict(enumerate(fitted_line(timed))), draft_step)
+        for name, candidate in self.candidates.items():  # a model of its own (an EAGLE-3 head): its own price
+            if (own := candidate.own_costs() if candidate.runs_model else None) is not None:
+                self.draft_costs[name] = StepCosts(draft=own.step_seconds, provisional_draft=True)
+                self.catch_up[name], self.priors[name] = own.seconds_per_token, own.acceptance or ALPHA_PRIOR
+                self.extra_row.pop(name, None)
+        self._request = _Request(alpha=dict(self.priors))
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         for candidate in self.candidates.values():
@@ -286,12 +292,10 @@ class AutoDrafter(Drafter):
         self._request = _Request(alpha=dict(self.priors))
 
     def _reads(self, name: str | None) -> bool:
-        """Whether the candidate runs a draft model, which must read the sequence before proposing."""
-        candidate = self.candidates.get(name)
-        return candidate is not None and candidate.runs_model
+        """Whether the candidate runs a model, which must read the sequence before proposing."""
+        return name in self.candidates and self.candidates[name].runs_model
 
-    def _lag(self, name: str | None, token_ids: list[int]) -> int | None:
-        """Tokens a candidate with a draft model must read first; None for candidates without one."""
+    def _lag(self, name: str | None, token_ids: list[int]) -> int | None:  # None: it runs no model
         return self.candidates[name].lag(token_ids) if self._reads(name) else None
 
     def _catch_up_seconds(self, name: str, token_ids: list[int], limit: int) -> float:
@@ -350,4 +354,7 @@ def _build(resources: DraftResources) -> AutoDrafter:
         candidates["model"] = build("model", resources)
         staged = replace(resources, config=replace(resources.config, stages=("suffix", "model")))
         candidates["staged"] = build("staged", staged)
+    head = head_drafter(resources)  # an EAGLE-3 head named, or shipped for this target
+    if head is not None:
+        candidates["eagle3"] = head
     return AutoDrafter(candidates, resources)

@@ -31,6 +31,15 @@ class Proposal:
         return Proposal(torch.empty(0, dtype=torch.long, device=device), None)
 
 
+@dataclass(frozen=True, slots=True)
+class OwnCosts:
+    """What a drafter's own model costs, timed at start-up (``Drafter.own_costs``)."""
+
+    step_seconds: float  # one drafted token
+    seconds_per_token: float  # per token of a long catch-up (a prompt)
+    acceptance: float | None = None  # its expected acceptance, where known; None: the usual prior
+
+
 class Drafter(Protocol):
     """begin once per request, then propose / accept once per speculative step.
 
@@ -49,6 +58,9 @@ class Drafter(Protocol):
     # The drafter a seeded request that names none runs instead, where this one's choices follow
     # timings (which would change the request's random draws); None: this one.
     seeded_choice: str | None = None
+    # A model of its own it drafts with (an EAGLE-3 head), described for the start-up line and
+    # /v1/models; None: none, or the shared draft model.
+    own_model: str | None = None
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         """A new request starts with ``prompt_ids``; reuse whatever state still matches. ``tenant``
@@ -75,6 +87,11 @@ class Drafter(Protocol):
         """Subsets of the target's layers it runs as forwards of their own, which start-up prepares
         (captures or compiles) beside the whole model's."""
         return []
+
+    def own_costs(self) -> OwnCosts | None:
+        """Start-up's timing of a model this drafter runs that is not the shared draft model (an
+        EAGLE-3 head); None: it runs the draft model, or none. ``auto`` prices it by these."""
+        return None
 
     def warm_up(self) -> None:
         """Start-up's hook, after the forwards are prepared: measure what the drafter needs to know

@@ -18,49 +18,57 @@ features, stay; entries for drafted positions (computed from the head's own outp
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
-from ..eagle3_head import Eagle3Head, load_head
+from ..config import EngineConfig
+from ..eagle3_head import Eagle3Head, load_head, shipped_head
 from ..errors import ConfigError
+from ..loader import EMBEDDED_NAME
 from ..model import CausalLM
 from ..sampling import RequestSampler
-from .base import Drafter, DraftResources, Proposal, sample_chain
+from .base import Drafter, DraftResources, OwnCosts, Proposal, sample_chain
 from .registry import register
+
+log = logging.getLogger(__name__)
 
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
-    reads_target_cache = True  # the features are the target's: the head never reads a prompt alone
+    runs_model = True  # its own layer, over its own cache: it catches up on what it missed
+    reads_target_cache = True  # from the target's kept features: it never runs a model over a prompt
 
     def __init__(self, target: CausalLM, head: Eagle3Head) -> None:
-        if target.runner is not None:
-            raise ConfigError("the eagle3 drafter needs eager target forwards for now; use --enforce-eager")
         self.target = target
         self.head = head
-        target.aux_layers = head.aux_layers
+        target.keep_features(head.aux_layers)
+        self.own_model = head.describe()
         self._committed = 0  # head cache entries computed from the target's features
         self._feature: torch.Tensor | None = None  # [1, H] the head's last pre-norm output, fed back
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
-        """Keep the head's entries for a shared prefix where the target kept its own; the target
-        then reads again from the first position the head needs features for."""
+        """Keep the head's entries for a prefix the target kept too (in this request's scope): entry
+        t also read token t + 1, so one fewer than the tokens shared."""
         cache = self.head.cache
         shared = cache.reuse_prefix(prompt_ids)
         cache.rollback(max(0, min(shared - 1, self.target.cache.length - 1)))
-        if self.target.cache.length > cache.length:
-            self.target.cache.rollback(cache.length)
         self._committed = cache.length
+
+    def lag(self, token_ids: list[int]) -> int:
+        return len(token_ids) - self.head.cache.length
 
     @torch.inference_mode()
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         if sampler.constraint is not None:  # a grammar may forbid the whole draft vocabulary: no q then
             return Proposal.empty(self.target.device)
         start, newest = self.head.cache.length, len(token_ids) - 1
-        features = self.target.aux_rows(start, newest)  # [T, A*E] of positions [start, newest)
-        if features is None:  # not from the last forward (a request's first step): the target reads them
-            self.target.cache.rollback(min(start, self.target.cache.length))
+        if newest <= start:  # a one-token prompt: no committed position to draft from yet
+            return Proposal.empty(self.target.device)
+        if self.target.cache.length < newest:  # a request's first step: the target reads the prompt now
             self.target.extend(token_ids[self.target.cache.length : newest], num_logits=0)
-            features = self.target.aux_rows(start, newest)
+        features = self.target.feature_rows(start, newest)  # [T, A*E] of committed positions [start, newest)
         # committed position t reads token t + 1 with the target's features of t
         logits, self._feature = self.head.step(token_ids[start + 1 : newest + 1], self.head.fuse(features))
         self.head.cache.append(token_ids[start:newest])
@@ -73,6 +81,26 @@ class Eagle3Drafter(Drafter):
         self.head.cache.append(1)
         return logits
 
+    @torch.inference_mode()
+    def own_costs(self) -> OwnCosts:
+        """The head's step (one token) and its read of a prompt (per token, over 64), best of three
+        each, on scratch entries of its cache; acceptance as its training measured, if recorded."""
+        features = torch.zeros(64, self.head.fc.in_features, dtype=self.target.dtype, device=self.target.device)
+
+        def timed(count: int) -> float:
+            best = float("inf")
+            for _ in range(3):
+                self.head.cache.rollback(0)
+                started = time.perf_counter()
+                self.head.step([0] * count, self.head.fuse(features[:count]))[0].cpu()
+                best = min(best, time.perf_counter() - started)
+            return best
+
+        step, prompt = timed(1), timed(64)
+        self.head.cache.rollback(0)
+        self._committed = 0
+        return OwnCosts(step, prompt / 64, self.head.acceptance)
+
     def accept(self, num_committed: int) -> None:
         """Entries computed from the head's own outputs go; the next proposal recomputes the
         accepted positions from the target's features."""
@@ -81,7 +109,29 @@ class Eagle3Drafter(Drafter):
 
 @register("eagle3", Eagle3Drafter)
 def _build(resources: DraftResources) -> Eagle3Drafter:
-    ref = resources.config.draft_head
+    ref = head_ref(resources.config)
     if ref is None:
-        raise ConfigError("the 'eagle3' drafter needs an EAGLE-3 head (--draft-head DIR)")
+        raise ConfigError("the 'eagle3' drafter needs an EAGLE-3 head (--draft-head DIR); none ships for this target")
     return Eagle3Drafter(resources.target, load_head(ref, resources.target))
+
+
+def head_ref(config: EngineConfig) -> str | None:
+    """The head the configuration names, else the one shipped for its target, if any."""
+    if config.draft_head is not None:
+        return config.draft_head
+    shipped = shipped_head(config.target or EMBEDDED_NAME)
+    return str(shipped) if (shipped / "config.json").is_file() else None
+
+
+def head_drafter(resources: DraftResources) -> Eagle3Drafter | None:
+    """``auto``'s eagle3 candidate: the head the configuration names (which must fit), else the one
+    shipped for the target if it fits, else none."""
+    if head_ref(resources.config) is None:
+        return None
+    try:
+        return _build(resources)
+    except ConfigError as exc:
+        if resources.config.draft_head is not None:
+            raise
+        log.info("auto: the shipped EAGLE-3 head does not fit this target (%s)", exc)
+        return None

@@ -1,0 +1,137 @@
+"""The data ``specserve train-eagle3`` trains on (engine/eagle3_training.py): the target's own
+answers to the shipped prompt set, the features and distributions it computes over them, the draft
+vocabulary, and the padded batches of conversation windows the head is unrolled over."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .config import Eagle3Training as TrainSettings
+from .model import CausalLM
+
+PROMPTS = Path(__file__).parent / "training_prompts.jsonl"
+
+
+def load_prompts(path: Path = PROMPTS, limit: int | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[:limit]
+
+
+@torch.inference_mode()
+def regenerate(generator_model, tokenizer, prompts: list[dict], settings: TrainSettings, work: Path) -> list[dict]:
+    """The target's greedy answers, conversation by conversation ({"ids", "answer_from"}), batched
+    per turn; kept in ``work/answers.jsonl`` and resumed from there."""
+    store = work / "answers.jsonl"
+    done = [json.loads(line) for line in store.read_text().splitlines()] if store.is_file() else []
+    todo = list(range(len(done), len(prompts)))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    bar = tqdm(total=len(prompts), initial=len(done), desc="eagle3: target answers", unit="conv")
+    try:
+        for first in range(0, len(todo), settings.generate_batch):
+            batch = [prompts[i] for i in todo[first : first + settings.generate_batch]]
+            chats = [[{"role": "system", "content": p["system"]}] if p.get("system") else [] for p in batch]
+            for turn in range(max(len(p["turns"]) for p in batch)):
+                live = [i for i, p in enumerate(batch) if turn < len(p["turns"])]
+                for i in live:
+                    chats[i].append({"role": "user", "content": batch[i]["turns"][turn]})
+                texts = [
+                    tokenizer.apply_chat_template(chats[i], add_generation_prompt=True, tokenize=False) for i in live
+                ]
+                encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                out = generator_model.generate(
+                    **encoded, max_new_tokens=settings.max_new_tokens, do_sample=False, pad_token_id=pad
+                )  # [B, P + N]
+                for row, i in enumerate(live):
+                    answer = [t for t in out[row, encoded.input_ids.shape[1] :].tolist() if t != pad]
+                    text = tokenizer.decode(answer, skip_special_tokens=True)
+                    chats[i].append({"role": "assistant", "content": text})
+            with store.open("a") as sink:
+                for chat in chats:
+                    sink.write(json.dumps(_tokenise(tokenizer, chat)) + "\n")
+            bar.update(len(batch))
+    finally:
+        tokenizer.padding_side = side
+        bar.close()
+    return [json.loads(line) for line in store.read_text().splitlines()]
+
+
+def _tokenise(tokenizer, chat: list[dict]) -> dict:
+    """A whole conversation's ids, with which of them are answers (the rows the head learns)."""
+    ids: list[int] = []
+    answer_mask: list[int] = []
+    for end in range(1, len(chat) + 1):
+        text = tokenizer.apply_chat_template(chat[:end], tokenize=False)
+        full = tokenizer(text, add_special_tokens=False).input_ids
+        new = full[len(ids) :]
+        answer_mask += [int(chat[end - 1]["role"] == "assistant")] * len(new)
+        ids = full
+    return {"ids": ids, "answer": answer_mask}
+
+
+@torch.inference_mode()
+def collect_features(target: CausalLM, conversations: list[dict], aux_layers: tuple[int, ...]) -> list[dict]:
+    """Per conversation: ids [N], answer mask [N], features [N, A*E] and the target's normalised
+    final hidden states [N, E] (bfloat16 on the host: half the memory, plenty for a target)."""
+    target.keep_features(aux_layers)
+    rows = []
+    for conversation in tqdm(conversations, desc="eagle3: target features", unit="conv"):
+        ids = conversation["ids"][: target.max_len]
+        target.cache.rollback(0)
+        target.extend(ids, num_logits=len(ids))
+        rows.append(
+            {
+                "ids": torch.tensor(ids),
+                "answer": torch.tensor(conversation["answer"][: len(ids)], dtype=torch.bool),
+                "features": target.feature_rows(0, len(ids)).to("cpu", torch.bfloat16),
+                "hidden": target.last_hidden.to("cpu", torch.bfloat16),
+            }
+        )
+    target.cache.rollback(0)
+    return rows
+
+
+def draft_vocabulary(rows: list[dict], draft_vocab: int, vocab_size: int) -> torch.Tensor:
+    """The ``draft_vocab`` target ids answers use most, ascending (ties by id: deterministic)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        counts += torch.bincount(row["ids"][row["answer"]], minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[: min(draft_vocab, vocab_size)]))
+
+
+def windows(rows: list[dict], window: int, context: int = 128) -> list[tuple[int, int, int]]:
+    """(row, start, end) pieces of at most ``window`` positions that contain answers, from
+    ``context`` positions before a conversation's first answer (a long prompt's start seldom
+    decides its answer's next tokens, and every row costs the same to train)."""
+    pieces = []
+    for index, row in enumerate(rows):
+        answers = row["answer"].nonzero()
+        if len(answers) == 0:
+            continue
+        for start in range(max(0, int(answers[0]) - context), len(row["ids"]) - 1, window):
+            end = min(start + window, len(row["ids"]))
+            if row["answer"][start + 1 : end].any():
+                pieces.append((index, start, end))
+    return pieces
+
+
+def make_batch(rows: list[dict], pieces: list[tuple[int, int, int]]) -> dict:
+    """Pieces of conversations, right-padded: ids [B, N], features [B, N, A*E], hidden [B, N, E],
+    learn [B, N] (positions whose next token is an answer's)."""
+    width = max(end - start for _, start, end in pieces)
+
+    def padded(name: str, index: int, start: int, end: int) -> torch.Tensor:
+        part = rows[index][name][start:end]
+        return F.pad(part, (0, 0) * (part.dim() - 1) + (0, width - (end - start)))
+
+    batch = {name: torch.stack([padded(name, *piece) for piece in pieces]) for name in ("ids", "features", "hidden")}
+    answer = torch.stack([padded("answer", *piece) for piece in pieces])  # [B, N] token is an answer's
+    batch["learn"] = F.pad(answer[:, 1:], (0, 1))  # position t's distribution is for token t + 1
+    batch["features"], batch["hidden"] = batch["features"].float(), batch["hidden"].float()
+    return batch
