@@ -14,6 +14,8 @@ kernels compiled by ``engine/kernels.py``, the engine's default on a GPU):
   forwards (k draft steps fed their own argmax on the device, one verify of k + 1 tokens, one
   transfer to the host), then rolls both caches back to a number of accepted tokens drawn from
   the truncated geometric law of that rate; and the tokens/s that the step costs predict;
+- an EAGLE-3-shaped random head beside the draft (draft vocabulary 32,000): its step over the
+  target's, and tokens/s at forced acceptance 0.8 drafting with it;
 - what the attention window costs: the 1-token step at 4k and 32k cache sizes, near the start
   and near the end of the cache (reads should follow the live context, not the cache size).
 Writes one JSON file (bench/results/gpu.json, or $OUT/gpu.json when OUT is set).
@@ -34,6 +36,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.adaptive import expected_tokens
+from engine.eagle3_head import Eagle3Head, default_aux_layers
 from engine.measure import median_seconds, synchronize
 from engine.model import CausalLM
 from engine.runner import GraphRunner
@@ -55,6 +58,8 @@ SMOKE_SHAPES = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     ),
 }
+# an EAGLE-3-shaped head for the target: one layer of its shape, a 32,000-token draft vocabulary
+HEAD_DRAFT_VOCAB = {"full": 32000, "smoke": 200}
 ALPHAS = (0.6, 0.8, 1.0)
 # name -> (forward mode, pointwise kernels): on a GPU, and with --smoke on CPU (compiled, not captured)
 CONFIGURATIONS = {
@@ -127,6 +132,78 @@ def forced_acceptance(
         produced += accepted + 1
     synchronize(device)
     return produced / (time.perf_counter() - start)
+
+
+def random_head(target: CausalLM, draft_vocab: int) -> Eagle3Head:
+    """A random EAGLE-3 head shaped for ``target``: features of layers 2, L/2 and L-3."""
+    config = {
+        "hidden_size": target.config.hidden_size,
+        "intermediate_size": target.config.intermediate_size,
+        "num_attention_heads": target.config.num_attention_heads,
+        "num_key_value_heads": target.config.num_key_value_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": draft_vocab,
+    }
+    head = Eagle3Head(config, target, default_aux_layers(len(target.layers)), False)
+    for module in head.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    head.d2t.copy_(torch.arange(draft_vocab) * (target.vocab_size // draft_vocab) - torch.arange(draft_vocab))
+    return head.finish()
+
+
+def head_costs(target: CausalLM, head: Eagle3Head, args, device, target_step: float) -> dict:
+    """The head's 1-token step (eager) after ``args.context`` committed entries, next to the
+    target's step, and tokens/s at forced acceptance 0.8 drafting with it (the target's verify as
+    the runner prepared it; each step also reads the accepted positions' features)."""
+    features = target.feature_rows(0, args.context)  # [C, A*E] what the target kept for the context
+    head.cache.rollback(0)
+    head.step(torch.ones(args.context, dtype=torch.long, device=device), head.fuse(features))
+    head.cache.append(args.context)
+    feature = head.fuse(features[-1:])  # [1, H]
+
+    def one_step() -> None:
+        head.cache.rollback(args.context)
+        head.step(torch.ones(1, dtype=torch.long, device=device), feature)
+
+    step = median_seconds(one_step, device, args.repeats)
+    draws, k = random.Random(7), args.k
+    target.cache.rollback(args.context)
+    head.cache.rollback(args.context)
+    pending = torch.ones(1, dtype=torch.long, device=device)
+    produced = 0
+    synchronize(device)
+    start = time.perf_counter()
+    while produced < args.new_tokens:
+        base = target.cache.length
+        drafted, token, own = [], pending, feature
+        for _ in range(k):
+            logits, own = head.step(token, own)
+            head.cache.append(1)
+            token = logits.argmax(-1)  # [1]
+            drafted.append(token)
+        target.extend(torch.cat([pending, *drafted]), num_logits=k + 1)[:, :8].argmax(-1).tolist()
+        accepted = 0
+        while accepted < k and draws.random() < 0.8:
+            accepted += 1
+        target.cache.rollback(base + accepted + 1)
+        head.cache.rollback(base)  # the head re-reads the accepted positions from the target's features
+        head.step(
+            torch.ones(accepted + 1, dtype=torch.long, device=device),
+            head.fuse(target.feature_rows(base, base + accepted + 1)),
+        )
+        head.cache.append(accepted + 1)
+        produced += accepted + 1
+    synchronize(device)
+    rate = produced / (time.perf_counter() - start)
+    return {
+        "head_params_m": round(sum(p.numel() for p in head.parameters()) / 1e6, 1),
+        "head_step_ms": round(step * 1e3, 3),
+        "head_over_target_step": round(step / target_step, 3),
+        "forced_acceptance_0.8_tokens_per_s": round(rate, 1),
+        "speedup_at_0.8": round(rate * target_step, 3),
+    }
 
 
 def prepare(model: CausalLM, mode: str, kernels: str, max_query: int, backend: str) -> None:
@@ -207,6 +284,8 @@ def measure_mode(
     result["predicted_speedup_at_0.8"] = round(
         result["predicted_tokens_per_s"]["0.8"] / result["target_only_tokens_per_s"], 3
     )
+    if args.head is not None:
+        result["eagle3_head"] = head_costs(target, args.head, args, device, one)
     if device.type == "cuda":
         result["reserved_mib"] = round(torch.cuda.memory_reserved(device) / 2**20)
     return result
@@ -413,6 +492,8 @@ def main() -> None:
         target_hf.to(dtype)
         draft_hf.to(dtype)
         target, draft = CausalLM(target_hf, max_len), CausalLM(draft_hf, max_len)
+        target.keep_features(default_aux_layers(len(target.layers)))  # as when serving with a head
+        args.head = random_head(target, HEAD_DRAFT_VOCAB["smoke" if args.smoke else "full"])
         context = torch.ones(args.context, dtype=torch.long, device=device)
         target.extend(context)
         draft.extend(context)
@@ -436,6 +517,7 @@ def main() -> None:
         report["dtypes"][name] = entry
         save(report, out)  # what a run cut short by its time limit has measured so far
         del target, draft
+        args.head = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -189,7 +189,10 @@ def _take_stats(run: Run, acceptance: float, per_forward: float, forwards: int) 
 class ServerRunner:
     """``specserve serve`` in a subprocess, measured through its streaming completions API."""
 
-    def __init__(self, args: list[str], log_path: Path, startup_timeout: float = 300.0) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, startup_timeout: float = 300.0, temperature: float = 0.0
+    ) -> None:
+        self.temperature = temperature  # every request's; 0: greedy
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -222,7 +225,7 @@ class ServerRunner:
         body = {
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
-            "temperature": 0,
+            "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
             "user": user,

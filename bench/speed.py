@@ -12,7 +12,8 @@ Configurations, run in interleaved order so machine noise hits all alike:
 Prompt types agentic and multi-turn are conversations run turn by turn, each turn's request
 carrying the assistant turns that configuration generated before; each configuration sends its
 own ``user``, so what the server keeps across requests (the suffix cache) never crosses them.
-Greedy decoding throughout; every output is checked against the target-only output.
+Greedy decoding unless --temperature (the server's runs only, with --serve-only); every greedy output
+is checked against the target-only output.
 
 Writes bench/results/<name>.json after every round of configurations (marked "partial", with how
 far it got, until the end), then the .png and .md (every table), and prints the summary; with
@@ -48,7 +49,7 @@ from server.settings import DEFAULT_DRAFT  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 HF_ASSISTANT = "copy:bfloat16"
-DRAFTERS = "none,default,suffix,model,ngram,staged"  # default is auto: no separate auto row
+DRAFTERS = "none,default,suffix,model,ngram,staged,eagle3"  # default is auto: no separate auto row
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +61,8 @@ class Config:
 
 
 def configurations(args: argparse.Namespace) -> list[Config]:
-    configs = [Config(f"hf:{mode}", "hf", mode) for mode in HFRunner.MODES]
-    if args.llama_cpp:
+    configs = [] if args.serve_only else [Config(f"hf:{mode}", "hf", mode) for mode in HFRunner.MODES]
+    if args.llama_cpp and not args.serve_only:
         configs.append(Config("llama.cpp", "llama.cpp", "llama.cpp"))
     adaptive = set(args.adaptive.split(","))
     for drafter in args.drafters.split(","):
@@ -87,6 +88,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 1)")
     parser.add_argument("--types", default="chat,code,summarise,long,agentic,multi-turn")
     parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the server's sampling (0: greedy, checked)")
+    parser.add_argument("--serve-only", action="store_true", help="no HF or llama.cpp rows (sampled runs)")
     args = parser.parse_args()
     args.repeats = args.repeats or 1
     args.max_tokens = args.max_tokens or (64 if args.quick else 96)
@@ -101,6 +104,7 @@ def main() -> None:
     server = ServerRunner(
         ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"],
         logs_dir / f"{args.name}-server.log",
+        temperature=args.temperature,
     )
     try:
         # The server times its steps and its draft copies at start-up: loading models here meanwhile
@@ -168,7 +172,9 @@ def report(args, models, engine, server, configs: list[Config], runs: dict, band
         "model": models.target_name,
         "weight_bytes": engine.target.weight_bytes,
         "bound_ms_per_forward": round(bound_s * 1e3, 2),
-        "settings": {k: getattr(args, k) for k in ("draft", "num_draft_tokens", "max_tokens", "repeats", "quick")},
+        "settings": {
+            k: getattr(args, k) for k in ("draft", "num_draft_tokens", "max_tokens", "repeats", "quick", "temperature")
+        },
         "server_draft": server.draft,  # what the server loaded (copy:auto's choice)
         "date": time.strftime("%Y-%m-%d"),
         **summarise(configs, runs, bound_s),
