@@ -64,7 +64,7 @@ PASSAGE = (
 )
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "self", "medusa", "staged"])
+@pytest.mark.parametrize("drafter", ["ngram", "self", "medusa", "staged", "eagle3"])
 def test_every_drafter_serves_the_default_model_with_greedy_output_unchanged(default_server, drafter):
     client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": f"Repeat this passage exactly:\n\n{PASSAGE}"}]
@@ -90,7 +90,7 @@ def test_default_model_serves_greedy_chat_in_half_precision(tmp_path):
     try:
         client = OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        for speculative in ({}, {"drafter": "none"}):
+        for speculative in ({}, {"drafter": "eagle3"}, {"drafter": "none"}):
             response = client.chat.completions.create(
                 model="", messages=messages, max_tokens=20, temperature=0, extra_body={"speculative": speculative}
             )

@@ -195,10 +195,16 @@ class AutoDrafter(Drafter):
             # newest token costs a step's drafting whatever ran before it: so a draft on the target's
             # keys and values (always one token) is timed by its probes too, and a start-up timing
             # taken on a busy host is replaced by the next probe instead of keeping the draft out for
-            # good. A request's first step is not timed: there the target reads the prompt for it.
-            if choice.steady or (choice.lag <= 1 and self._request.step > 1):
+            # good. A request's first step is not timed, nor its catch-up where the drafter reads the
+            # target's cache: there the target reads the prompt for it.
+            first = self._request.step == 1
+            if choice.steady or (choice.lag <= 1 and not first):
                 costs.observe(max(choice.drafted, 1), choice.draft_seconds, verify_seconds)
-            elif costs.draft is not None and choice.lag > choice.num_draft_tokens + 2:
+            elif (
+                costs.draft is not None
+                and choice.lag > choice.num_draft_tokens + 2
+                and not (first and self.candidates[choice.name].reads_target_cache)
+            ):
                 reading = max(choice.draft_seconds - choice.drafted * costs.draft, 0.0) / choice.lag
                 self.catch_up[choice.name] = _update(self.catch_up.get(choice.name), reading)
         if choice.drafted == 0:  # nothing proposed: the step cost a plain decode, says nothing of acceptance
@@ -207,13 +213,9 @@ class AutoDrafter(Drafter):
 
     def _observe(self, track: str, accepted: int, drafted: int, asked: int | None = None) -> None:
         """A step's accepted run is a truncated geometric sample: ``accepted`` successes, then one
-        rejection unless all ``drafted`` passed. Pooling them (rather than averaging per-step
-        ratios, where one early rejection reads as acceptance 0) gives the maximum-likelihood
-        acceptance; the prior counts as PRIOR_TOKENS tokens of evidence.
-
-        The step's tokens are also set against what the choice expected of it at the k it asked
-        for (``asked``): a draft model's confidence cutoff drafts fewer tokens than asked, and text
-        matching's runs are all or nothing, so the geometric yield can be off either way."""
+        rejection unless all ``drafted`` passed. Pooling them gives the maximum-likelihood acceptance
+        (the prior counts as PRIOR_TOKENS tokens). The step's tokens are also set against what was
+        expected at the k asked (``asked``): cutoffs and all-or-nothing matches stray from geometric."""
         request = self._request
         yielded, expected = request.yields.get(track, (0.0, 0.0))
         request.yields[track] = (
@@ -274,9 +276,7 @@ class AutoDrafter(Drafter):
 
     def expect_step_costs(self, verify_seconds: dict[int, float], draft_step_seconds: float | None) -> None:
         """Start-up's timings of the target's forward over k + 1 tokens (each k) and of the draft
-        model's one-token step: without them a server's first request spends its first steps
-        measuring every candidate at full k (a staged step costs a model step and more), and
-        plain decoding once. Each is replaced by the first live measure of the same thing."""
+        model's step, so a first request measures nothing at full k; live measures replace them."""
         self.verify.expect(verify=verify_seconds)
         if draft_step_seconds is not None:
             for name in self.candidates:
@@ -284,8 +284,7 @@ class AutoDrafter(Drafter):
                     self.draft_costs[name].expect(draft=draft_step_seconds)
 
     def expect_agreement(self, acceptance: float) -> None:
-        """Start-up's measure of how often the draft model's tokens pass: the draft-model
-        candidates' prior, which finished requests then move."""
+        """Start-up's measure of the draft model's acceptance: its candidates' prior."""
         for name in self.candidates:
             if self._reads(name):
                 self.priors[name] = acceptance
