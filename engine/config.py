@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -132,20 +132,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _help(default, text: str):
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass(frozen=True)
 class Eagle3Training:
     """How ``specserve train-eagle3`` trains a head (engine/eagle3_training.py)."""
 
-    draft_vocab: int = 4096  # the head's vocabulary: the target tokens its answers use most
-    ttt_steps: int = 4  # draft steps the head is unrolled over (training-time test)
-    epochs: float = 4.0
-    lr: float = 1e-3
-    batch_tokens: int = 4096  # rows per optimiser step
-    window: int = 512  # rows of one conversation the head sees at once
-    max_new_tokens: int = 320  # the longest answer regenerated per turn
-    generate_batch: int = 32  # conversations answered together
-    limit: int | None = None  # only the first prompts of the set
-    seed: int = 0
+    draft_vocab: int = _help(4096, "the head's vocabulary: the target tokens its answers use most")
+    ttt_steps: int = _help(4, "draft steps the head is unrolled over in training (training-time test)")
+    epochs: float = _help(3.0, "passes over the regenerated answers")
+    lr: float = _help(1e-3, "peak learning rate (AdamW, warm-up then cosine)")
+    batch_tokens: int = _help(4096, "positions per optimiser step")
+    window: int = _help(512, "positions of one conversation the head sees at once")
+    max_new_tokens: int = _help(320, "the longest answer the target writes per turn")
+    generate_batch: int = _help(32, "conversations the target answers together")
+    limit: int | None = _help(None, "only the first N prompts of the set")
+    seed: int = _help(0, "seeds initialisation and batch order")
 
     def __post_init__(self) -> None:
         for name in ("draft_vocab", "ttt_steps", "batch_tokens", "window", "max_new_tokens", "generate_batch"):

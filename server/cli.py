@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, field in Eagle3Training.__dataclass_fields__.items():
         flag = "--" + name.replace("_", "-")
         kind = float if field.type == "float" else int
-        eagle.add_argument(flag, type=kind, default=field.default, help=f"(default {field.default})")
+        eagle.add_argument(
+            flag, type=kind, default=field.default, help=f"{field.metadata['help']} (default {field.default})"
+        )
     calib = commands.add_parser("calibrate-self", help="choose the layers the self drafter keeps", allow_abbrev=False)
     calib.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
     calib.add_argument("--keep", type=int, default=None, help="layers to keep (default: half)")
