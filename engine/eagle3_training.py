@@ -145,20 +145,23 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     total_steps = max(1, int(settings.epochs * batches_per_epoch))
     trainable = [p for name, p in head.named_parameters() if not name.startswith("target")]
     optimiser = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, total_steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))
-    )
-    step, started = 0, time.monotonic()
+    step, started, begun = 0, time.monotonic(), 0  # begun: the step this run's learning-rate schedule starts at
     checkpoint = work / "checkpoint.pt"
-    if checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["settings"] == asdict(settings):
-            head.load_state_dict(state["head"])
-            optimiser.load_state_dict(state["optimiser"])
-            schedule.load_state_dict(state["schedule"])
-            step = state["step"]
-            log.info("resuming at step %d of %d", step, total_steps)
+    state = torch.load(checkpoint, weights_only=False) if checkpoint.is_file() else None
+    # the same settings resume; more epochs than the checkpoint's continue it under a schedule of their own
+    extends = state is not None and {**state["settings"], "epochs": settings.epochs} == asdict(settings)
+    if extends and state["step"] <= total_steps:
+        head.load_state_dict(state["head"])
+        optimiser.load_state_dict(state["optimiser"])
+        step = state["step"]
+        begun = step if state["settings"] != asdict(settings) else state.get("begun", 0)
+        log.info("resuming at step %d of %d", step, total_steps)
+    span, warmup = total_steps - begun, max(1, (total_steps - begun) // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / span)))
+    )
+    if extends and state["step"] <= total_steps and state["settings"] == asdict(settings):
+        schedule.load_state_dict(state["schedule"])
     history: list[list[float]] = []
     recent: list[float] = []
     bar = tqdm(total=total_steps, initial=step, desc="eagle3: training", unit="step")
@@ -181,7 +184,7 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
         if step % 50 == 0 or step == total_steps:
             work.mkdir(parents=True, exist_ok=True)
             state = {"head": head.state_dict(), "optimiser": optimiser.state_dict(), "schedule": schedule.state_dict()}
-            torch.save({**state, "step": step, "settings": asdict(settings)}, checkpoint)
+            torch.save({**state, "step": step, "begun": begun, "settings": asdict(settings)}, checkpoint)
     bar.close()
     head.eval()
     with torch.no_grad():

@@ -55,6 +55,9 @@ def test_train_writes_a_head_the_drafter_reads_back_and_resumes(tmp_path):
     again = train_eagle3(str(model_dir), out, Eagle3Training(**SMALL))
     assert (out / "work" / "answers.jsonl").read_text() == answers and again["steps"] == report["steps"]
     assert again["train_seconds"] < report["train_seconds"] or again["train_seconds"] < 1.0
+    # more epochs continue the finished run from its checkpoint
+    longer = train_eagle3(str(model_dir), out, Eagle3Training(**{**SMALL, "epochs": 4.0}))
+    assert longer["steps"] == 2 * report["steps"] and (out / "work" / "answers.jsonl").read_text() == answers
     # seeded: another folder, the same head
     other = tmp_path / "other"
     train_eagle3(str(model_dir), other, Eagle3Training(**SMALL))
