@@ -69,6 +69,12 @@ def summarise(configs: list, runs: dict[str, dict[str, list]], bound_s: float) -
     return {"results": results, "targets": _targets(results), "sse_vs_in_process": _sse_ratios(results)}
 
 
+def _sampling(report: dict) -> str:
+    """ "greedy", or the temperature of a sampled run (its outputs are not compared)."""
+    temperature = report["settings"].get("temperature") or 0
+    return f"temperature {temperature:g}" if temperature else "greedy"
+
+
 def _speed(metrics: dict, label: str) -> float:
     return metrics[label]["decode_tokens_per_s"]
 
@@ -119,7 +125,7 @@ def tables(report: dict) -> str:
     results, kinds = report["results"], list(report["results"])
     labels = list(dict.fromkeys(label for metrics in results.values() for label in metrics))
     lines = [
-        f"Decode tokens/s (and speedup over specserve's target-only), {report['model']}, greedy, {report['settings']['max_tokens']}"
+        f"Decode tokens/s (and speedup over specserve's target-only), {report['model']}, {_sampling(report)}, {report['settings']['max_tokens']}"
         f" new tokens, medians of {report['settings']['repeats']} repeats; read bandwidth "
         f"{report['machine']['read_bandwidth_gb_s']} GB/s, so one float32 forward takes at least "
         f"{report['bound_ms_per_forward']} ms. Decode tokens/s counts the tokens after the first arrival over the "
@@ -175,7 +181,7 @@ def summary(report: dict, full_tables: str) -> str:
     head = ["prompt type", "HF generate", "HF best", *(["llama.cpp"] if has_llama else []), "target-only"]
     head += ["default", "best specserve", "default / target-only", "default / HF best"]
     lines = [
-        f"Decode tokens/s, {report['model']}, greedy, {report['settings']['max_tokens']} new tokens, on "
+        f"Decode tokens/s, {report['model']}, {_sampling(report)}, {report['settings']['max_tokens']} new tokens, on "
         f"{cpu['model']} (family {cpu['family']}, flags {', '.join(cpu['flags']) or 'none'}, {cpu['cpus']} CPUs, "
         f"{report['machine']['read_bandwidth_gb_s']} GB/s read), specserve drafting with "
         f"{report.get('server_draft') or report['settings'].get('draft', 'its default draft')}. "
@@ -237,7 +243,7 @@ def plot(report: dict, path: Path) -> None:
     axes[0].set_yticks([y + 0.4 - height / 2 for y in range(len(labels))], labels)
     axes[0].invert_yaxis()
     axes[0].legend(title="prompt type")
-    fig.suptitle(f"{report['model']} on {report['machine']['torch_threads']} CPU threads, greedy")
+    fig.suptitle(f"{report['model']} on {report['machine']['torch_threads']} CPU threads, {_sampling(report)}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
