@@ -143,24 +143,26 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     per_batch = max(1, settings.batch_tokens // settings.window)
     batches_per_epoch = math.ceil(len(pieces) / per_batch)
     total_steps = max(1, int(settings.epochs * batches_per_epoch))
-    trainable = [p for name, p in head.named_parameters() if not name.startswith("target")]
+    trainable = list(head.parameters())  # the target's embedding is read, not held: it is no parameter here
     optimiser = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, started, begun = 0, time.monotonic(), 0  # begun: the step this run's learning-rate schedule starts at
     checkpoint = work / "checkpoint.pt"
     state = torch.load(checkpoint, weights_only=False) if checkpoint.is_file() else None
     # the same settings resume; more epochs than the checkpoint's continue it under a schedule of their own
-    extends = state is not None and {**state["settings"], "epochs": settings.epochs} == asdict(settings)
-    if extends and state["step"] <= total_steps:
+    resumed = state is not None and {**state["settings"], "epochs": settings.epochs} == asdict(settings)
+    resumed = resumed and state["step"] <= total_steps
+    same = resumed and state["settings"] == asdict(settings)
+    if resumed:
         head.load_state_dict(state["head"])
         optimiser.load_state_dict(state["optimiser"])
         step = state["step"]
-        begun = step if state["settings"] != asdict(settings) else state.get("begun", 0)
+        begun = state.get("begun", 0) if same else step
         log.info("resuming at step %d of %d", step, total_steps)
     span, warmup = total_steps - begun, max(1, (total_steps - begun) // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimiser, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / span)))
     )
-    if extends and state["step"] <= total_steps and state["settings"] == asdict(settings):
+    if same:
         schedule.load_state_dict(state["schedule"])
     history: list[list[float]] = []
     recent: list[float] = []
