@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
@@ -12,6 +12,7 @@ from ..spec import sample_one
 
 if TYPE_CHECKING:
     from ..config import EngineConfig  # noqa: F401
+    from ..eagle3_head import Eagle3Head
     from ..model import CausalLM
     from ..outputs import OutputCache
     from ..sampling import RequestSampler
@@ -154,3 +155,5 @@ class DraftResources:
     draft: CausalLM | None
     draft_agreement: float | None = None  # the draft's agreement with the target, where start-up measured it
     outputs: OutputCache | None = None  # the engine's recent outputs, one cache whichever drafters read it
+    # EAGLE-3 heads loaded, by ref: the eagle3 drafter and auto's candidate share one (weights and cache)
+    heads: dict[str, Eagle3Head] = field(default_factory=dict)

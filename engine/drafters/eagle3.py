@@ -112,7 +112,9 @@ def _build(resources: DraftResources) -> Eagle3Drafter:
     ref = head_ref(resources.config)
     if ref is None:
         raise ConfigError("the 'eagle3' drafter needs an EAGLE-3 head (--draft-head DIR); none ships for this target")
-    return Eagle3Drafter(resources.target, load_head(ref, resources.target))
+    if ref not in resources.heads:
+        resources.heads[ref] = load_head(ref, resources.target)
+    return Eagle3Drafter(resources.target, resources.heads[ref])
 
 
 def head_ref(config: EngineConfig) -> str | None:
