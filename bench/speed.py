@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--update-readme", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0, help="the server's sampling (0: greedy, checked)")
     parser.add_argument("--serve-only", action="store_true", help="no HF or llama.cpp rows (sampled runs)")
+    parser.add_argument("--server-args", default="", help="more `specserve serve` flags, e.g. '--gguf-blocks off'")
     args = parser.parse_args()
     args.repeats = args.repeats or 1
     args.max_tokens = args.max_tokens or (64 if args.quick else 96)
@@ -102,7 +103,8 @@ def main() -> None:
 
     bandwidths = [measure_read_bandwidth()]
     server = ServerRunner(
-        ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"],
+        ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"]
+        + args.server_args.split(),
         logs_dir / f"{args.name}-server.log",
         temperature=args.temperature,
     )
@@ -119,7 +121,7 @@ def main() -> None:
         )
         draft = copy.deepcopy(models.draft) if args.draft == HF_ASSISTANT else load_draft(engine_config, models.target)
         eos = eos_token_ids(models.target, models.tokenizer)
-        engine = build_engine(engine_config, copy.deepcopy(models.target), draft, eos)
+        engine = build_engine(engine_config, copy.deepcopy(models.target), draft, eos, None, models.target_file)
         runners = {
             "hf": HFRunner(models.target, models.draft, models.tokenizer.eos_token_id),
             "engine": EngineRunner(engine),
@@ -173,7 +175,8 @@ def report(args, models, engine, server, configs: list[Config], runs: dict, band
         "weight_bytes": engine.target.weight_bytes,
         "bound_ms_per_forward": round(bound_s * 1e3, 2),
         "settings": {
-            k: getattr(args, k) for k in ("draft", "num_draft_tokens", "max_tokens", "repeats", "quick", "temperature")
+            k: getattr(args, k)
+            for k in ("draft", "num_draft_tokens", "max_tokens", "repeats", "quick", "temperature", "server_args")
         },
         "server_draft": server.draft,  # what the server loaded (copy:auto's choice)
         "date": time.strftime("%Y-%m-%d"),

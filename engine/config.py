@@ -52,6 +52,9 @@ class EngineConfig:
     # torch.compile; "auto" compiles them where forwards are captured as CUDA graphs and falls back
     # to eager kernels, with a warning, where compiling fails; "eager" never compiles them.
     kernels: str = "auto"
+    # A GGUF target on CPU may hold its products as the file's own quantized blocks, multiplied in
+    # float32 by engine/csrc's kernels, where the matmul plan measures them faster (engine/blocks.py)
+    gguf_blocks: bool = True
     compile_backend: str = "inductor"  # torch.compile's backend for compiled forwards and kernels (tests: aot_eager)
 
     def __post_init__(self) -> None:

@@ -9,12 +9,14 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedTokenizerBase
 
+from .blocks import FileTensors, offer_blocks
 from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig
 from .drafters import check_stages
 from .engine import SpecEngine
@@ -75,7 +77,7 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
         models = load(config, progress)
         tokenizer, name = models.tokenizer, models.target_name
         eos = eos_token_ids(models.target, models.tokenizer)
-        engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer))
+        engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer), models.target_file)
         progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
         progress(warm_up(engine).describe())
     del models  # the draft copy that copy:auto did not keep, among what start-up no longer needs
@@ -98,6 +100,7 @@ def build_engine(
     draft_model: torch.nn.Module | None,
     eos_token_ids: set[int],
     tokenizer_size: int | None = None,
+    target_file: Path | None = None,
 ) -> SpecEngine:
     """Wrap loaded Hugging Face models: caches are sized once, here, and reused for every request.
     The engine owns them from now on: on CPU its warm-up may hold their weights in another form and
@@ -105,6 +108,8 @@ def build_engine(
     limit = getattr(target_model.config, "max_position_embeddings", 4096)
     max_len = config.max_model_len or min(limit, 4096)
     target = CausalLM(target_model, max_len)
+    if target_file is not None and config.gguf_blocks and target.device.type == "cpu":
+        offer_blocks(target, FileTensors.read(target_file))
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None
     measured_agreement = None
     if draft is not None and config.draft_copy == COPY_INT8:

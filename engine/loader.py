@@ -52,6 +52,7 @@ class LoadedModels:
     draft: torch.nn.Module | None
     tokenizer: PreTrainedTokenizerBase
     target_name: str
+    target_file: Path | None = None  # the GGUF file the target was read from, if it was
 
 
 def embedded_gguf() -> Path:
@@ -156,7 +157,9 @@ def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: N
     draft = load_draft(config, target)
     progress("draft none" if draft is None else f"draft {describe(draft)}")
     name = EMBEDDED_NAME if config.target is None else config.target
-    return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=name)
+    where, extra = locate(config.target)
+    target_file = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
+    return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=name, target_file=target_file)
 
 
 def load_draft(config: EngineConfig, target: torch.nn.Module) -> torch.nn.Module | None:

@@ -60,7 +60,15 @@ FORMULATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = 
     "upcast": _upcast,  # half-precision weights only
 }
 PACKED = "onednn"  # a PackedWeight's product: the model must hold the weight packed (all rows, or none)
-NAMES = (*FORMULATIONS, PACKED)  # every choice a plan can hold
+BLOCKS = "blocks"  # a GGUF target's BlockWeight (engine/blocks.py): held as the file's blocks (all rows, or none)
+HELD = (PACKED, BLOCKS)  # the choices that hold a weight in another form, for every row count at once
+NAMES = (*FORMULATIONS, *HELD)  # every choice a plan can hold
+# A held form is taken for a shape where its times are below the float32 formulations' by this
+# margin (geometric mean over the row counts); within it the shape is timed again, up to
+# RETIMES times, and if still within it the weight stays as the checkpoint holds it. So one
+# start decides as the next does: a shape whose forms run alike no longer flips between starts.
+HELD_MARGIN = 0.1
+RETIMES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +105,11 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
 
 
-def candidates(dtype: torch.dtype, rows: int, packable: bool = False) -> list[str]:
+def candidates(dtype: torch.dtype, rows: int, packable: bool = False, blocks: bool = False) -> list[str]:
     """The formulations that can win at ``rows`` (LONG: many) for weights of ``dtype``; ``packable``:
-    PackedWeight too, at every row count."""
+    PackedWeight too, ``blocks``: BlockWeight too, at every row count."""
     packed = [PACKED] if packable else []
+    packed += [BLOCKS] if blocks else []
     if rows == 1:
         return ["linear", "weight_first", "padded", *packed]
     if rows != LONG:
@@ -122,24 +131,26 @@ class MatmulPlan:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., N, I] -> [..., N, O]."""
         rows = x.numel() // x.shape[-1]
-        name = self.choices.get((_key(weight), rows if rows <= self.max_rows else LONG))
-        if name is None or name == "linear" or name == PACKED:
+        name = self.choices.get((weight_key(weight), rows if rows <= self.max_rows else LONG))
+        if name is None or name == "linear" or name in HELD:
             return F.linear(x, weight, bias)
         out = FORMULATIONS[name](x.reshape(rows, x.shape[-1]), weight)  # [N, O]
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], weight.shape[0])
 
-    def packs(self, weight: torch.Tensor) -> bool:
-        """Whether the model should hold ``weight`` as a PackedWeight."""
-        return self.choices.get((_key(weight), 1)) == PACKED
+    def held_form(self, weight) -> str | None:
+        """PACKED or BLOCKS where the model should hold ``weight`` (of the shape and dtype of a
+        weight the plan timed) in that form; None: as the checkpoint holds it."""
+        choice = self.choices.get((weight_key(weight), 1))
+        return choice if choice in HELD else None
 
     @classmethod
     def uniform(cls, name: str, max_rows: int, weights: Iterable[torch.Tensor]) -> MatmulPlan:
         """One formulation wherever it is a candidate, F.linear elsewhere (tests force each path)."""
         if name not in NAMES:
             raise ValueError(f"unknown formulation {name!r}; known: {sorted(NAMES)}")
-        keys = {_key(weight): can_pack(weight.dtype, weight.device) for weight in weights}
+        keys = {weight_key(weight): can_pack(weight.dtype, weight.device) for weight in weights}
         slots = [*range(1, max_rows + 1), LONG]
         return cls(
             max_rows,
@@ -147,21 +158,25 @@ class MatmulPlan:
                 (key, slot): name
                 for key, packable in keys.items()
                 for slot in slots
-                if name in candidates(key[2], slot, packable)
+                if name in candidates(key[2], slot, packable, blocks=name == BLOCKS)
             },
         )
 
     @classmethod
-    def measure(cls, weights: Iterable[torch.Tensor], max_rows: int, repeats: int = 2) -> MatmulPlan:
+    def measure(
+        cls, weights: Iterable[torch.Tensor], max_rows: int, repeats: int = 2, blocks: dict | None = None
+    ) -> MatmulPlan:
         """Time every formulation on ``weights`` (grouped by shape and dtype, each group applied in
         full, so the weights come from memory as in a forward) for 1..max_rows and LONG_ROWS rows;
         keep the fastest (best of ``repeats`` after one untimed round, formulations interleaved so
-        that drift hits them alike). PACKED, timed on packed copies of the group, is taken for a
-        shape only as a whole: where its times over all the row counts, against the best of the
-        others at each, have a geometric mean below 1."""
+        that drift hits them alike). The held forms, PACKED (timed on packed copies of the group)
+        and BLOCKS (``blocks``: the BlockWeights of the weights of a shape, by its key), are taken
+        for a shape only as a whole: the one whose times over all the row counts, against the best
+        float32 formulation at each, have the lowest geometric mean, where that is below 1 by
+        HELD_MARGIN (``_held_choice``)."""
         groups: dict[Key, list[torch.Tensor]] = {}
         for weight in weights:
-            group = groups.setdefault(_key(weight), [])
+            group = groups.setdefault(weight_key(weight), [])
             if sum(w.nbytes for w in group) < GROUP_BYTES:
                 group.append(weight)
         plan = cls(max_rows)
@@ -176,28 +191,43 @@ class MatmulPlan:
                         operands[PACKED] = packed
                     except RuntimeError:
                         pass
-                for slot in slots:
-                    x = torch.randn(slot or LONG_ROWS, key[1], dtype=key[2], device=group[0].device)  # [N, I]
-                    best = dict.fromkeys(candidates(key[2], slot, PACKED in operands), float("inf"))
-                    if len(best) == 1:
-                        plan.choices[key, slot] = next(iter(best))
-                        continue
-                    # Round 0 pays first-call costs, untimed; over LONG_ROWS rows they are negligible
-                    # and one timed round suffices (the formulations differ by 2x or more there).
-                    rounds = [False, *[True] * repeats] if slot != LONG else [True]
-                    for timed in rounds:
-                        for name in best:
-                            product = _packed if name == PACKED else FORMULATIONS[name]
-                            started = time.perf_counter()
-                            for weight in operands[name]:
-                                product(x, weight)
-                            if timed:
-                                best[name] = min(best[name], time.perf_counter() - started)
-                    plan.timings_us[key, slot] = {name: seconds * 1e6 for name, seconds in best.items()}
-                    plan.choices[key, slot] = min((n for n in best if n != PACKED), key=best.__getitem__)
-                if PACKED in operands and _packing_wins(plan, key, slots):
-                    plan.choices.update({(key, slot): PACKED for slot in slots})
+                if blocks and blocks.get(key):
+                    operands[BLOCKS] = blocks[key][: len(group)]
+                plan._time_group(key, operands, slots, repeats)
+                for retime in range(RETIMES + 1):
+                    held = _held_choice(plan, key, slots, [form for form in HELD if form in operands])
+                    if held != "retime":
+                        break
+                    if retime < RETIMES:
+                        plan._time_group(key, operands, slots, repeats)
+                if held in HELD:
+                    plan.choices.update({(key, slot): held for slot in slots})
         return plan
+
+    def _time_group(self, key: Key, operands: dict[str, list], slots: list[int], repeats: int) -> None:
+        """Time each form in ``operands`` on its group at every slot; keep the fastest float32 formulation."""
+        device = operands["linear"][0].device
+        held = [form for form in HELD if form in operands]
+        with torch.inference_mode():
+            for slot in slots:
+                x = torch.randn(slot or LONG_ROWS, key[1], dtype=key[2], device=device)  # [N, I]
+                best = dict.fromkeys(candidates(key[2], slot, PACKED in held, BLOCKS in held), float("inf"))
+                if len(best) == 1:
+                    self.choices[key, slot] = next(iter(best))
+                    continue
+                # Round 0 pays first-call costs, untimed; over LONG_ROWS rows they are negligible
+                # and one timed round suffices (the formulations differ by 2x or more there).
+                rounds = [False, *[True] * repeats] if slot != LONG else [True]
+                for timed in rounds:
+                    for name in best:
+                        product = _held if name in HELD else FORMULATIONS[name]
+                        started = time.perf_counter()
+                        for weight in operands[name]:
+                            product(x, weight)
+                        if timed:
+                            best[name] = min(best[name], time.perf_counter() - started)
+                self.timings_us[key, slot] = {name: seconds * 1e6 for name, seconds in best.items()}
+                self.choices[key, slot] = min((n for n in best if n not in HELD), key=best.__getitem__)
 
     def describe(self) -> str:
         """How many (shape, rows) cases each formulation won, e.g. "weight_first 28/36"."""
@@ -207,18 +237,28 @@ class MatmulPlan:
         return ", ".join(f"{name} {count}/{len(self.choices)}" for name, count in won.items() if count)
 
 
-def _packed(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    return weight.linear(x)
+def _held(x: torch.Tensor, weight) -> torch.Tensor:
+    return weight.linear(x)  # a PackedWeight's or a BlockWeight's own product
 
 
-def _packing_wins(plan: MatmulPlan, key: Key, slots: list[int]) -> bool:
-    """Whether PACKED's times over ``slots`` have a geometric mean below the per-slot best of the others."""
-    ratios = []
-    for slot in slots:
-        timings = plan.timings_us[key, slot]
-        ratios.append(timings[PACKED] / min(us for name, us in timings.items() if name != PACKED))
-    return math.exp(sum(map(math.log, ratios)) / len(ratios)) < 1.0
+def _held_choice(plan: MatmulPlan, key: Key, slots: list[int], forms: list[str]) -> str | None:
+    """The held form to take for ``key``: the one with the lowest geometric mean of its times over
+    ``slots`` against the per-slot best float32 formulation, where that is below 1 - HELD_MARGIN;
+    "retime" where it is within HELD_MARGIN of 1; None: none pays."""
+    if not forms:
+        return None
+    means = {}
+    for form in forms:
+        ratios = []
+        for slot in slots:
+            timings = plan.timings_us[key, slot]
+            ratios.append(timings[form] / min(us for name, us in timings.items() if name not in HELD))
+        means[form] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    form = min(means, key=means.__getitem__)
+    if means[form] < 1 - HELD_MARGIN:
+        return form
+    return "retime" if means[form] < 1 + HELD_MARGIN else None
 
 
-def _key(weight: torch.Tensor) -> Key:
+def weight_key(weight: torch.Tensor) -> Key:
     return weight.shape[0], weight.shape[1], weight.dtype

@@ -1,9 +1,10 @@
 """The forms a model's product weights are held in, and the products through them.
 
 A product's weight is held as the checkpoint holds it (multiplied in the formulation a
-``MatmulPlan`` measured fastest), packed by oneDNN where the plan chose that (``PackedWeight``), or
-as int8 rows with a scale each (``Int8Weight``: only for drafts, a different model). Whatever the
-form, ``ProductWeights.linear`` computes the same product, and ``dense`` gives the weight back.
+``MatmulPlan`` measured fastest), packed by oneDNN where the plan chose that (``PackedWeight``), as
+the GGUF file's own blocks where the plan chose that (``BlockWeight``, engine/blocks.py), or as int8
+rows with a scale each (``Int8Weight``: only for drafts, a different model). Whatever the form,
+``ProductWeights.linear`` computes the same product, and ``dense`` gives the weight back.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .blocks import BlockWeight
 from .errors import ConfigError
-from .matmul import MatmulPlan, PackedWeight
+from .matmul import BLOCKS, PACKED, MatmulPlan, PackedWeight, weight_key
 
 # the linear layers each layer runs as one product (``fuse_linears``): attention's, then the MLP's
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -65,9 +67,12 @@ class ProductWeights:
         self.products = products
         self.keep = keep
         self.plan = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
-        # weights held in another form, by (id(module), weight name): int8 rows, or packed by oneDNN
-        self.prepared: dict[tuple[int, str], Int8Weight | PackedWeight] = {}
+        # weights held in another form, by (id(module), weight name): int8 rows, packed by oneDNN, GGUF blocks
+        self.prepared: dict[tuple[int, str], Int8Weight | PackedWeight | BlockWeight] = {}
         self.int8 = False  # every product through int8 rows, none through the plan
+        # the GGUF blocks each product can be held as (``offer_blocks``), and what became of them, in a line
+        self.blocks: dict[tuple[int, str], BlockWeight] = {}
+        self.blocks_line = ""
 
     @property
     def nbytes(self) -> int:
@@ -88,14 +93,24 @@ class ProductWeights:
         return [getattr(module, name) for module, name in self.products if (id(module), name) not in self.prepared]
 
     def dense(self, module: nn.Module, name: str) -> torch.Tensor:
-        """A product's weight [O, I] as a plain tensor, wherever it is held packed (int8 rows: the
-        quantized model has no other)."""
+        """A product's weight [O, I] as a plain tensor, wherever it is held packed or as blocks (int8
+        rows: the quantized model has no other)."""
         held = self.prepared.get((id(module), name))
-        return held.dense() if isinstance(held, PackedWeight) else getattr(module, name)
+        return held.dense() if isinstance(held, PackedWeight | BlockWeight) else getattr(module, name)
 
     def describe(self) -> str:
-        """How the products run: "int8 rows", or what the ``MatmulPlan`` chose."""
-        return "int8 rows" if self.int8 else self.plan.describe()
+        """How the products run: "int8 rows", or what the ``MatmulPlan`` chose (and the GGUF blocks' line)."""
+        if self.int8:
+            return "int8 rows"
+        return self.plan.describe() + (f" [{self.blocks_line}]" if self.blocks_line else "")
+
+    def parts(self, module: nn.Module, name: str) -> list[nn.Module]:
+        """The linear layers whose weights a product stacks (q, k and v for a fused one; else its own)."""
+        return _fused_parts(module, name) or [module]
+
+    def offer_blocks(self, blocks: dict[tuple[int, str], BlockWeight], line: str) -> None:
+        """Let the plan hold these products as GGUF blocks, where it measures them faster."""
+        self.blocks, self.blocks_line = blocks, line
 
     def plan_matmuls(self, max_rows: int) -> MatmulPlan:
         """On CPU, measure which formulation is fastest for each weight shape at 1..max_rows rows
@@ -103,22 +118,35 @@ class ProductWeights:
         Elsewhere products stay F.linear."""
         if self.keep.device.type == "cpu" and not self.int8 and self.plan.max_rows < max_rows:
             self.use_plan(MatmulPlan())  # measured on the weights as the checkpoint holds them
-            self.use_plan(MatmulPlan.measure(self.linear_weights(), max_rows))
+            by_shape: dict = {}
+            for held in self.blocks.values():
+                by_shape.setdefault(weight_key(held), []).append(held)
+            self.use_plan(MatmulPlan.measure(self.linear_weights(), max_rows, blocks=by_shape))
         return self.plan
 
     def use_plan(self, plan: MatmulPlan) -> None:
-        """Run products as ``plan`` says. A weight it packs is held packed and its dense copy freed; a
-        packed weight it does not pack is made dense again, exactly as it was."""
+        """Run products as ``plan`` says. A weight it holds in another form (packed, or as the GGUF
+        blocks offered for it) is held so and its dense copy freed; a weight held so that it does
+        not hold so is made dense again, exactly as it was."""
         for module, name in self.products:
             held = self.prepared.get((id(module), name))
             if isinstance(held, Int8Weight):
                 raise ConfigError("an int8 model's products run through its int8 rows, not a matmul plan")
             weight = held if held is not None else getattr(module, name)
-            if held is None and plan.packs(weight):
-                self.prepared[id(module), name] = PackedWeight.pack(weight, _bias(module, name), plan.max_rows)
-                self._release(module, name)
-            elif held is not None and not plan.packs(weight):
+            form = plan.held_form(weight)
+            if form == BLOCKS and (id(module), name) not in self.blocks:
+                form = None  # a weight of a shape the blocks won whose tensor the file does not hold as blocks
+            current = PACKED if isinstance(held, PackedWeight) else BLOCKS if isinstance(held, BlockWeight) else None
+            if current == form:
+                continue
+            if held is not None:
                 self._restore(module, name, self.prepared.pop((id(module), name)).dense())
+            if form == PACKED:
+                self.prepared[id(module), name] = PackedWeight.pack(weight, _bias(module, name), plan.max_rows)
+            elif form == BLOCKS:
+                self.prepared[id(module), name] = self.blocks[id(module), name]
+            if form is not None:
+                self._release(module, name)
         self.plan = plan
 
     def quantize_int8(self) -> None:

@@ -76,6 +76,9 @@ class ServeSettings(BaseSettings):
         description="what a preset needs to run, said when it cannot start",
         json_schema_extra={"cli": False},
     )
+    gguf_blocks: bool = engine_field(
+        "gguf_blocks", "a GGUF target on CPU multiplies its file's own quantized blocks where faster (exact, float32)"
+    )
     adaptive_k: bool = engine_field("adaptive_k", "choose k per step (up to --num-draft-tokens) from measured costs")
     enforce_eager: bool = Field(
         default=False,

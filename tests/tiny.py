@@ -18,10 +18,12 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from engine.blocks import FileTensors, offer_blocks
 from engine.config import EngineConfig
 from engine.drafters.medusa import MedusaHeads
 from engine.engine import SpecEngine
 from engine.factory import build_engine
+from engine.matmul import BLOCKS, MatmulPlan
 from engine.request import Request
 from engine.sampling import SamplingParams
 
@@ -153,7 +155,29 @@ DEVICE_PATH_SETUPS: dict[str, tuple[bool, dict]] = {
     "model-cutoff-on-device": (True, {"drafter": "model", "min_draft_confidence": 0.3}),
     # the head's features written by the compiled forward (the static path a GPU captures)
     "eagle3-compiled": (False, {"drafter": "eagle3", "forward": "compile", "compile_backend": "aot_eager"}),
+    # the target's products through GGUF blocks (engine/blocks.py): setup_engine quantizes it in place
+    "model-blocks": (True, {"drafter": "model"}),
 }
+
+
+def quantize_in_place(model: PreTrainedModel, formats: tuple[str, ...] = ("Q4_1", "Q8_0", "Q4_0", "Q5_1", "Q5_0")):
+    """Quantize every linear weight of a Llama ``model`` with the gguf package (formats in turn; the
+    LM head Q8_0, as the embedded file holds it) and set it to the blocks' dequantized values: the
+    model is now the one the blocks hold, the file a GGUF would hold for it is returned."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    tensors = {}
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    for i, (name, module) in enumerate(linears):
+        gguf_name = names.get_name(name)
+        kind = getattr(gguf.GGMLQuantizationType, "Q8_0" if gguf_name == "output" else formats[i % len(formats)])
+        weight = module.weight.detach().float().numpy()
+        blocks = gguf.quants.quantize(weight, kind)
+        with torch.no_grad():
+            module.weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)).reshape(weight.shape))
+        tensors[f"{gguf_name}.weight"] = (int(kind), torch.from_numpy(blocks))
+    return FileTensors("llama", tensors)
 
 
 def random_medusa_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> Path:
@@ -243,7 +267,15 @@ def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, 
         options = {**options, "draft_head": str(random_eagle3_head(target, seed=1))}
     if options.get("draft_ref") == "copy:int8":  # quantized from a bfloat16 copy, as the loader makes one
         draft = copy.deepcopy(draft).to(torch.bfloat16)
+    file = quantize_in_place(target) if setup == "model-blocks" else None  # the test's reference reads it too
+    if file is not None:  # the engine frees the weights it holds as blocks: the reference keeps its own
+        target = copy.deepcopy(target)
     engine = tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
+    if file is not None:  # every product through the blocks, at every row count
+        weights = engine.target.weights
+        offer_blocks(engine.target, file)
+        assert len(weights.blocks) == len(weights.products), weights.blocks_line
+        weights.use_plan(MatmulPlan.uniform(BLOCKS, engine.config.num_draft_tokens + 2, weights.linear_weights()))
     if options["drafter"] == "auto":  # try another candidate every step: choices change mid-request
         engine.drafter("auto").probe_every = 1
     if setup == "model-cutoff-on-device":

@@ -1,0 +1,41 @@
+// What the per-instruction-set kernels share: the formats (GGML's type ids), the row chunk, and
+// the half-precision conversion (exact, subnormals included).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace specserve_blocks {
+
+enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 31, mantissa = h & 1023;
+  uint32_t bits;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    const float magnitude = static_cast<float>(mantissa) * (1.0f / 16777216.0f);
+    return sign ? -magnitude : magnitude;
+  }
+  if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+#define SPECSERVE_DECLARE(ns)                                                                                   \
+  namespace ns {                                                                                                \
+  void times(int format, const uint8_t* w, int64_t row_bytes, int64_t in_features, int64_t o_begin,           \
+             int64_t o_end, const float* x, int64_t num_rows, int64_t x_stride, float* out, int64_t out_stride); \
+  void decode(int format, const uint8_t* w, int64_t row_bytes, int64_t in_features, int64_t o_begin,          \
+              int64_t o_end, float* out, int64_t out_stride);                                                  \
+  }
+SPECSERVE_DECLARE(portable)
+SPECSERVE_DECLARE(avx2)
+SPECSERVE_DECLARE(avx512)
+#undef SPECSERVE_DECLARE
+
+}  // namespace specserve_blocks

@@ -1,0 +1,6 @@
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC target("avx2,fma,f16c")
+#endif
+#define BLOCKS_NS avx2
+#define BLOCKS_LANES 8
+#include "blocks_kernel.h"

@@ -1,0 +1,215 @@
+"""Products over GGUF quantized blocks (engine/blocks.py, engine/csrc): the weights each format
+decodes to are exactly the gguf package's, on files the tests write and on the embedded one; the
+products agree with float64 within float32 summation bounds at every row count and on every
+instruction set this CPU runs; the plan holds the blocks only by a margin; and an engine without
+the kernels says so and runs float32. The chi-square and greedy suites run the blocks too
+(``model-blocks`` in tests/tiny.py)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine import blocks as blocks_module
+from engine.blocks import DIRECT_ROWS, FORMATS, BlockPart, BlockWeight, FileTensors, decode, kernel_isa, offer_blocks
+from engine.loader import embedded_gguf
+from engine.matmul import BLOCKS, HELD_MARGIN, LONG, MatmulPlan, _held_choice
+from tests.tiny import quantize_in_place, tiny_engine, tiny_llama
+
+ISAS = list(range(kernel_isa() + 1))  # every instruction set this CPU runs, the portable reference first
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # formats the gguf package can also write
+SUPER_BLOCK = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}  # bytes per 256 weights, offsets of its fp16 scales
+
+
+def written_blocks(name: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Blocks [rows, row bytes] of format ``name``: what the gguf package writes for random weights
+    (some rows tiny, for subnormal half-precision scales), or, for the K formats it cannot write,
+    random bytes with finite half-precision scales."""
+    generator = np.random.default_rng(seed)
+    kind = getattr(gguf.GGMLQuantizationType, name)
+    if name in QUANTIZABLE:
+        weights = generator.standard_normal((rows, columns)).astype(np.float32)
+        weights[0] *= 1e-6  # scales below float16's normal range
+        weights[1] = 0.0
+        return gguf.quants.quantize(weights, kind)
+    size, scale_offsets = SUPER_BLOCK[name]
+    data = generator.integers(0, 256, (rows, columns // 256, size), dtype=np.uint8)
+    for offset in scale_offsets:
+        scales = generator.standard_normal((rows, columns // 256)).astype(np.float16)
+        scales[0] = np.float16(3e-6)  # subnormal
+        data[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, columns // 256, 2)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_format_decodes_to_the_gguf_packages_float32_values(name, isa):
+    data = written_blocks(name, rows=6, columns=512, seed=len(name))
+    expected = gguf.quants.dequantize(data, getattr(gguf.GGMLQuantizationType, name)).reshape(6, 512)
+    decoded = decode(BlockPart(torch.from_numpy(data), FORMATS[name]), 512, isa)
+    assert torch.equal(decoded, torch.from_numpy(expected.astype(np.float32)))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_products_agree_with_float64_within_float32_summation_bounds(name):
+    """Every row count from 1 past DIRECT_ROWS (the kernel, then decoded tiles), on every
+    instruction set: |error| <= n u sum|x||w| (n = in features, u = 2^-24), the bound of a float32
+    sum of n products in any order."""
+    out_features, in_features = 40, 512
+    data = torch.from_numpy(written_blocks(name, out_features, in_features, seed=3))
+    generator = torch.Generator().manual_seed(0)
+    for isa in ISAS:
+        weight = BlockWeight((BlockPart(data, FORMATS[name]),), in_features, None, isa)
+        dense = weight.dense().double()  # [O, I]
+        for rows in [*range(1, DIRECT_ROWS + 2), 64]:
+            x = torch.randn(rows, in_features, generator=generator)  # [N, I]
+            product = weight.linear(x).double()  # [N, O]
+            exact = x.double() @ dense.T
+            bound = in_features * 2.0**-24 * (x.double().abs() @ dense.abs().T) + 1e-30
+            assert (product - exact).abs().le(bound).all(), f"{name}, isa {isa}, {rows} rows"
+
+
+def test_fused_parts_and_bias_land_in_their_columns():
+    """A fused product (q, k, v as parts of other formats) equals the parts' products side by side."""
+    parts = tuple(
+        BlockPart(torch.from_numpy(written_blocks(name, rows, 64, seed=rows)), FORMATS[name])
+        for name, rows in (("Q4_1", 8), ("Q8_0", 4), ("Q5_0", 4))
+    )
+    bias = torch.randn(16)
+    fused = BlockWeight(parts, 64, bias, kernel_isa())
+    x = torch.randn(3, 64)
+    expected = torch.cat([x @ decode(part, 64, kernel_isa()).T for part in parts], dim=1) + bias
+    torch.testing.assert_close(fused.linear(x), expected, rtol=1e-5, atol=1e-5)
+    assert fused.dense().shape == (16, 64)
+
+
+def test_the_embedded_file_decodes_to_the_gguf_packages_values():
+    reader = gguf.GGUFReader(embedded_gguf())
+    kinds = set()
+    for tensor in reader.tensors:
+        if int(tensor.tensor_type) not in FORMATS.values():
+            continue
+        kinds.add(tensor.tensor_type.name)
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [O, I]
+        part = BlockPart(torch.from_numpy(np.array(tensor.data)), int(tensor.tensor_type))
+        assert torch.equal(decode(part, expected.shape[1], kernel_isa()), torch.from_numpy(expected)), tensor.name
+    assert kinds == {"Q4_1", "Q8_0"}
+
+
+def test_an_engine_holds_its_products_as_blocks_and_matches_the_loaded_rows():
+    """Blocks offered for a quantized tiny model match every product (q and k rows included); a
+    measured plan on this tiny shape may keep float32, a uniform one holds the blocks and frees the
+    float32 weights; dense gives them back exactly."""
+    target = tiny_llama(seed=5, vocab_size=64)
+    file = quantize_in_place(target)
+    engine = tiny_engine(target, None)
+    weights = engine.target.weights
+    before = {key: getattr(module, name).clone() for module, name in weights.products for key in [(id(module), name)]}
+    offer_blocks(engine.target, file)
+    assert len(weights.blocks) == len(weights.products)
+    assert weights.blocks_line.startswith(f"{len(weights.products)}/{len(weights.products)} products")
+    weights.use_plan(MatmulPlan.uniform(BLOCKS, 6, weights.linear_weights()))
+    assert all((id(module), name) in weights.prepared for module, name in weights.products)
+    assert weights.nbytes < sum(weight.nbytes for weight in before.values())
+    for module, name in weights.products:
+        assert torch.equal(weights.dense(module, name), before[id(module), name])
+    weights.use_plan(MatmulPlan())  # back to float32, exactly as loaded
+    for module, name in weights.products:
+        assert torch.equal(getattr(module, name), before[id(module), name])
+
+
+def test_a_product_whose_blocks_differ_from_the_loaded_weight_stays_float32():
+    target = tiny_llama(seed=6, vocab_size=64)
+    file = quantize_in_place(target)
+    with torch.no_grad():
+        target.model.layers[0].mlp.down_proj.weight[0, 0] += 1.0  # no longer what its blocks decode to
+    engine = tiny_engine(target, None)
+    offer_blocks(engine.target, file)
+    weights = engine.target.weights
+    assert len(weights.blocks) == len(weights.products) - 1
+    assert "model.layers.0.mlp.down_proj" in weights.blocks_line
+
+
+def test_without_the_kernels_the_engine_says_so_and_runs_float32(monkeypatch):
+    def missing() -> int:
+        raise blocks_module.BlocksUnavailable("engine/_blocks was not built at install (no C++ compiler?)")
+
+    monkeypatch.setattr(blocks_module, "kernel_isa", missing)
+    target = tiny_llama(seed=7, vocab_size=64)
+    file = quantize_in_place(target)
+    engine = tiny_engine(target, None)
+    offer_blocks(engine.target, file)
+    assert engine.target.weights.blocks == {}
+    assert "float32 products: engine/_blocks was not built" in engine.target.weights.describe()
+
+
+def _timings(ratio: float) -> dict:
+    return {"linear": 100.0, "weight_first": 120.0, BLOCKS: 100.0 * ratio}
+
+
+@pytest.mark.parametrize(
+    "ratio,choice", [(0.5, BLOCKS), (1 - HELD_MARGIN / 2, "retime"), (1.0, "retime"), (1 + 2 * HELD_MARGIN, None)]
+)
+def test_a_held_form_is_taken_only_by_a_margin(ratio, choice):
+    """Within the margin the plan times again, and keeps float32 if still within it: the choice
+    between two forms that run alike does not flip from one start to the next."""
+    key = (8, 8, torch.float32)
+    plan = MatmulPlan(2, timings_us={(key, slot): _timings(ratio) for slot in (1, 2, LONG)})
+    assert _held_choice(plan, key, [1, 2, LONG], [BLOCKS]) == choice
+
+
+def test_file_tensors_read_the_embedded_files_blocks():
+    file = FileTensors.read(embedded_gguf())
+    assert file.arch == "llama"
+    kinds = {kind for kind, _ in file.tensors.values()}
+    assert kinds == {FORMATS["Q4_1"], FORMATS["Q8_0"]}
+    assert sum(blocks.nbytes for _, blocks in file.tensors.values()) < 100 * 2**20
+
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Summarise in one sentence: the meeting moved to Thursday because the room was booked.",
+)
+
+
+@pytest.mark.slow
+def test_greedy_output_on_the_embedded_model_equals_the_float32_paths():
+    """The embedded model served from its blocks and from float32 copies of them: the same greedy
+    tokens, or a first divergence at a near-tie, whose logit gap (float32 path) is reported."""
+    from engine.config import EngineConfig
+    from engine.factory import load_engine
+    from engine.request import Request
+    from engine.sampling import SamplingParams
+
+    outputs, engines = {}, {}
+    for held in (True, False):
+        loaded = load_engine(EngineConfig(drafter="none", gguf_blocks=held, max_model_len=512), show_progress=False)
+        engines[held] = loaded
+        if held:
+            assert "blocks" in loaded.engine.warm_up_report and "121/121 products" in loaded.engine.warm_up_report
+        outputs[held] = []
+        for i, text in enumerate(PROMPTS):
+            chat = [{"role": "user", "content": text}]
+            prompt = loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            ids = loaded.tokenizer(prompt)["input_ids"]
+            params = SamplingParams(max_tokens=48, temperature=0.0)
+            tokens = [t for out in loaded.engine.generate(Request(str(i), ids, params)) for t in out.token_ids]
+            outputs[held].append((ids, tokens))
+        if held:
+            del loaded, engines[held]  # one model in memory at a time
+    float32 = engines[False].engine.target
+    for (ids, from_blocks), (_, from_float32) in zip(outputs[True], outputs[False], strict=True):
+        at = next((i for i, (a, b) in enumerate(zip(from_blocks, from_float32, strict=False)) if a != b), None)
+        if at is None:
+            assert from_blocks == from_float32
+            continue
+        float32.cache.rollback(0)
+        logits = float32.extend(ids + from_float32[:at])[-1]  # [V]
+        top = logits.topk(2).values
+        gap = float(top[0] - top[1])
+        print(f"first divergence at token {at}: float32 top-2 logit gap {gap:.2e}")
+        assert gap < 1e-3, f"the paths diverge at token {at} where the float32 path's top-2 gap is {gap:.2e}"
+        assert int(logits.topk(2).indices[1]) == from_blocks[at]  # the blocks took the runner-up
