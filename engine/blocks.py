@@ -104,16 +104,23 @@ class BlockWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., N, I] float32 -> [..., N, O]."""
-        rows = x.reshape(-1, self.in_features).contiguous()  # [N, I]
+        rows = x.reshape(-1, self.in_features)  # [N, I]
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
         out = rows.new_empty(rows.shape[0], self.out_features)  # [N, O]
-        start = 0
-        for part in self.parts:
-            columns = out[:, start : start + part.rows]  # [N, O_part], rows out.stride(0) apart
-            if rows.shape[0] <= DIRECT_ROWS:
-                torch.ops.specserve.blocks_times(rows, part.blocks, part.format, self.in_features, self.isa, columns)
-            else:
-                self._tiled(rows, part, columns)
-            start += part.rows
+        ops = torch.ops.specserve
+        if len(self.parts) == 1 and rows.shape[0] <= DIRECT_ROWS:  # a decode or verify step: one call
+            part = self.parts[0]
+            ops.blocks_times(rows, part.blocks, part.format, self.in_features, self.isa, out)
+        else:
+            start = 0
+            for part in self.parts:
+                columns = out[:, start : start + part.rows]  # [N, O_part], rows out.stride(0) apart
+                if rows.shape[0] <= DIRECT_ROWS:
+                    ops.blocks_times(rows, part.blocks, part.format, self.in_features, self.isa, columns)
+                else:
+                    self._tiled(rows, part, columns)
+                start += part.rows
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -195,7 +202,7 @@ def match_blocks(
         else:
             weight = getattr(module, name)
             bias = getattr(module, name.replace("weight", "bias"), None)
-            found[id(module), name] = BlockWeight(tuple(parts), weight.shape[1], bias, isa)
+            found[id(module), name] = BlockWeight(_merged(parts), weight.shape[1], bias, isa)
     formats = sorted({_format_name(part.format) for held in found.values() for part in held.parts})
     line = f"{len(found)}/{len(products)} products can read GGUF blocks ({', '.join(formats) or 'none'}; {ISAS[isa]} kernels)"
     if skipped:
@@ -215,6 +222,17 @@ def offer_blocks(model, file: FileTensors) -> None:
         found, line = {}, f"float32 products: {error}"
     log.info("GGUF blocks: %s", line)
     model.weights.offer_blocks(found, line)
+
+
+def _merged(parts: list[BlockPart]) -> tuple[BlockPart, ...]:
+    """Neighbouring parts of one format stacked into one (q, k and v as one call to the kernel)."""
+    merged: list[BlockPart] = []
+    for part in parts:
+        if merged and merged[-1].format == part.format:
+            merged[-1] = BlockPart(torch.cat([merged[-1].blocks, part.blocks]), part.format)
+        else:
+            merged.append(part)
+    return tuple(merged)
 
 
 def _format_name(format: int) -> str:

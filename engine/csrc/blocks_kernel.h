@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "blocks.h"
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -65,13 +65,31 @@ static inline void nibbles(const uint8_t* qs, const uint8_t* qh_bytes, vf* out, 
   }
 }
 
+#if BLOCKS_LANES == 16 && defined(__AVX512F__)
+// AVX-512: a block of 4-bit values decodes through a table of its 16 possible weights, table[q] =
+// q * d + m (exact, as the arithmetic path), looked up by vpermps, which reads the low 4 bits of each
+// lane: the widened bytes index the low nibbles as they are and the high ones shifted down.
+static inline void nibbles_by_table(const uint8_t* qs, float d, float m, vf* out) {
+  const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_ps(d), _mm512_set1_ps(m));
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  out[0] = (vf)_mm512_permutexvar_ps(bytes, table);
+  out[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+#define SPECSERVE_NIBBLE_TABLE 1
+#endif
+
 // Each decoder writes one block's weights, in order, to out (kBlock / kLanes vectors). The small
 // blocks' vectors stay in registers: a vector stored and loaded back at once stalls store forwarding.
 struct Q4_0 {
   static constexpr int kBlock = 32, kBytes = 18;
   static inline void decode(const uint8_t* b, vf* out) {
     const float d = half_at(b);
+#ifdef SPECSERVE_NIBBLE_TABLE
+    nibbles_by_table(b + 2, d, -8.0f * d, out);  // (q - 8) d = q d - 8 d, both exact
+#else
     nibbles(b + 2, nullptr, out, [d](vf q) { return (q - 8.0f) * d; });
+#endif
   }
 };
 
@@ -80,7 +98,11 @@ struct Q4_1 {
   static inline void decode(const uint8_t* b, vf* out) {
     const float d = half_at(b), m = half_at(b + 2);
     // d * q is exact in float32 (11 + 4 significant bits), so the sum rounds once, fused or not
+#ifdef SPECSERVE_NIBBLE_TABLE
+    nibbles_by_table(b + 4, d, m, out);
+#else
     nibbles(b + 4, nullptr, out, [d, m](vf q) { return q * d + m; });
+#endif
   }
 };
 
@@ -104,7 +126,12 @@ struct Q8_0 {
   static constexpr int kBlock = 32, kBytes = 34;
   static inline void decode(const uint8_t* b, vf* out) {
     const float d = half_at(b);
+#if BLOCKS_LANES == 16 && defined(__AVX512F__)
+    for (int c = 0; c < 2; ++c)
+      out[c] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * c)))) * d;
+#else
     for (int c = 0; c < 32; c += kLanes) out[c / kLanes] = to_float(widen(load<vi8>(b + 2 + c))) * d;
+#endif
   }
 };
 
