@@ -3,7 +3,7 @@
 Measures the embedded target's plan ``--starts`` times in one process (each measurement is what one
 start of the server does), with the margin rule (engine/matmul.py: HELD_MARGIN, RETIMES) and without
 it (a held form taken wherever its geometric mean is below 1, as before), with the GGUF blocks
-offered and without. Reports the distinct plans seen and how many (shape, rows) slots differ from the
+offered and without, and (float32 only) starts that read the plan the first one stored. Reports the distinct plans seen and how many (shape, rows) slots differ from the
 most common plan. Also times a 1-row product over every weight of the target in each form, for the
 kernel's achieved read bandwidth against bench/host.py's bound. Writes bench/results/plan_stability.json.
 
@@ -16,6 +16,7 @@ import argparse
 import collections
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,8 +31,21 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.factory import build_engine  # noqa: E402
 from engine.loader import load  # noqa: E402
 from engine.matmul import MatmulPlan, weight_key  # noqa: E402
+from engine.plan_cache import PlanCache  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cached_plans(weights, starts: int, max_rows: int, folder: Path) -> dict:
+    """Starts that read the plan the first one measured and stored (engine/plan_cache.py)."""
+    cache = PlanCache(folder)
+    plans = []
+    for _ in range(starts):
+        weights.use_plan(MatmulPlan())
+        weights.plan_matmuls(max_rows, cache)
+        plans.append(tuple(sorted((str(k), v) for k, v in weights.plan.choices.items())))
+    weights.use_plan(MatmulPlan())
+    return {"starts": starts, "distinct_plans": len(set(plans))}
 
 
 def measure_plans(weights, starts: int, max_rows: int, margin: bool) -> dict:
@@ -98,10 +112,12 @@ def main() -> None:
         "no_margin": measure_plans(weights, args.starts, max_rows, False),
     }
     offered, weights.blocks = weights.blocks, {}
-    report["float32_only"] = {
-        "margin": measure_plans(weights, args.starts, max_rows, True),
-        "no_margin": measure_plans(weights, args.starts, max_rows, False),
-    }
+    with tempfile.TemporaryDirectory() as folder:
+        report["float32_only"] = {
+            "margin": measure_plans(weights, args.starts, max_rows, True),
+            "no_margin": measure_plans(weights, args.starts, max_rows, False),
+            "stored": cached_plans(weights, args.starts, max_rows, Path(folder)),
+        }
     dense = [(float32_product(w), w.shape[1], w.nbytes) for w in (getattr(m, n) for m, n in weights.products)]
     held = [(b.linear, b.in_features, b.nbytes) for b in offered.values()]
     report["one_row_over_every_weight"] = one_row_sweep(weights, {"float32 F.linear": dense, "blocks": held})

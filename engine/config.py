@@ -55,11 +55,18 @@ class EngineConfig:
     # A GGUF target on CPU may hold its products as the file's own quantized blocks, multiplied in
     # float32 by engine/csrc's kernels, where the matmul plan measures them faster (engine/blocks.py)
     gguf_blocks: bool = True
+    # CPU matmul plans (engine/plan_cache.py): "cached" reads the plan stored for this host and model
+    # where there is one (else measures and stores it), "measure" measures and replaces it;
+    # plan_cache is the folder (None: $XDG_CACHE_HOME/specserve/matmul-plans, ~/.cache/... where unset)
+    matmul_plan: str = "cached"
+    plan_cache: str | None = None
     compile_backend: str = "inductor"  # torch.compile's backend for compiled forwards and kernels (tests: aot_eager)
 
     def __post_init__(self) -> None:
         if self.suffix_cache_requests < 0:
             raise ConfigError(f"suffix_cache_requests must be at least 0, got {self.suffix_cache_requests}")
+        if self.matmul_plan not in ("cached", "measure"):
+            raise ConfigError(f"matmul_plan must be cached or measure, got {self.matmul_plan!r}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be at least 1, got {self.threads}")
         if self.num_draft_tokens < 0 or self.num_draft_tokens > 64:

@@ -24,6 +24,7 @@ from .errors import ConfigError
 from .loader import eos_token_ids, load
 from .measure import choose_copy
 from .model import CausalLM
+from .plan_cache import PlanCache
 from .runner import GraphRunner
 from .threads import set_threads, usable_cpus
 
@@ -115,7 +116,8 @@ def build_engine(
     if draft is not None and config.draft_copy == COPY_INT8:
         draft.weights.quantize_int8()
     elif draft is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
-        draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens)
+        cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
+        draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens, cache)
         config = replace(config, draft=COPY_PREFIX + form)
     for model in filter(None, (target, draft)):
         model.use_kernels(config.kernel_mode, config.compile_backend)
@@ -147,7 +149,8 @@ def warm_up(engine: SpecEngine) -> WarmUp:
             layer_sets += engine.drafters.target_layer_sets()
         if model.runner is None:
             if model.device.type == "cpu":
-                model.weights.plan_matmuls(min(max_query, model.max_len))
+                cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
+                model.weights.plan_matmuls(min(max_query, model.max_len), cache)
                 matmuls.append(f"{role} {model.weights.describe()}")
             for num_tokens in range(1, min(max_query, model.max_len) + 1):
                 model.cache.rollback(0)

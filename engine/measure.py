@@ -17,6 +17,7 @@ import torch
 
 from .adaptive import expected_tokens
 from .model import CausalLM
+from .plan_cache import PlanCache
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,9 @@ def agreement(draft: CausalLM, target: CausalLM, num_tokens: int = 32) -> float:
     return float(overlap.mean())
 
 
-def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> tuple[CausalLM, str, float | None]:
+def choose_copy(
+    target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int, cache: PlanCache | None = None
+) -> tuple[CausalLM, str, float | None]:
     """``copy:auto``: the bfloat16 copy of the target, or the same weights as int8 rows, whichever
     promises more tokens per second at k = ``num_draft_tokens``: expected_tokens(agreement, k)
     over k draft steps and a verify, each timed here. Off CPU (no int8 kernel there) the bfloat16
@@ -101,7 +104,7 @@ def choose_copy(target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int) -> 
     int8.weights.quantize_int8()
     max_rows = num_draft_tokens + 2
     for model in (target, bfloat16):
-        model.weights.plan_matmuls(min(max_rows, model.max_len))
+        model.weights.plan_matmuls(min(max_rows, model.max_len), cache)
     k = max(num_draft_tokens, 1)
     verify = read_seconds(target, k + 1, repeats=2)
     rates, found, agreements = {}, {}, {}

@@ -17,6 +17,7 @@ from torch import nn
 from .blocks import BlockWeight
 from .errors import ConfigError
 from .matmul import BLOCKS, PACKED, MatmulPlan, PackedWeight, weight_key
+from .plan_cache import PlanCache
 
 # the linear layers each layer runs as one product (``fuse_linears``): attention's, then the MLP's
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -112,16 +113,24 @@ class ProductWeights:
         """Let the plan hold these products as GGUF blocks, where it measures them faster."""
         self.blocks, self.blocks_line = blocks, line
 
-    def plan_matmuls(self, max_rows: int) -> MatmulPlan:
+    def plan_matmuls(self, max_rows: int, cache: PlanCache | None = None) -> MatmulPlan:
         """On CPU, measure which formulation is fastest for each weight shape at 1..max_rows rows
-        (decode and verify shapes) and use it from now on (a plan already measured that far stays).
-        Elsewhere products stay F.linear."""
+        (decode and verify shapes) and use it from now on (a plan already measured that far stays);
+        with a ``cache``, read the plan stored for this host and these weights instead, or store
+        the one measured. Elsewhere products stay F.linear."""
         if self.keep.device.type == "cpu" and not self.int8 and self.plan.max_rows < max_rows:
             self.use_plan(MatmulPlan())  # measured on the weights as the checkpoint holds them
             by_shape: dict = {}
             for held in self.blocks.values():
                 by_shape.setdefault(weight_key(held), []).append(held)
-            self.use_plan(MatmulPlan.measure(self.linear_weights(), max_rows, blocks=by_shape))
+            weights = self.linear_weights()
+            key = cache.key([weight_key(w) for w in weights], list(by_shape), max_rows) if cache else ""
+            plan = cache.load(key) if cache else None
+            if plan is None:
+                plan = MatmulPlan.measure(weights, max_rows, blocks=by_shape)
+                if cache:
+                    cache.save(key, plan)
+            self.use_plan(plan)
         return self.plan
 
     def use_plan(self, plan: MatmulPlan) -> None:

@@ -79,6 +79,13 @@ class ServeSettings(BaseSettings):
     gguf_blocks: bool = engine_field(
         "gguf_blocks", "a GGUF target on CPU multiplies its file's own quantized blocks where faster (exact, float32)"
     )
+    matmul_plan: Literal["cached", "measure"] = engine_field(
+        "matmul_plan",
+        "CPU: read the matmul plan stored for this host and model (cached), or measure it again and store it",
+    )
+    plan_cache: str | None = engine_field(
+        "plan_cache", "folder of stored matmul plans (default: $XDG_CACHE_HOME/specserve/matmul-plans, or ~/.cache/...)"
+    )
     adaptive_k: bool = engine_field("adaptive_k", "choose k per step (up to --num-draft-tokens) from measured costs")
     enforce_eager: bool = Field(
         default=False,

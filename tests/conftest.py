@@ -19,6 +19,17 @@ from tests.tiny import byte_tokenizer, perturbed_copy, tiny_llama
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="session")
+def plan_cache_folder(tmp_path_factory) -> Path:
+    """The matmul plans this session's engines and servers store (engine/plan_cache.py) go to a cache
+    folder of its own, not the user's; Hugging Face's cache stays where it was."""
+    os.environ.setdefault(
+        "HF_HOME", str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface")
+    )
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    return Path(os.environ["XDG_CACHE_HOME"]) / "specserve" / "matmul-plans"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

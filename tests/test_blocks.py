@@ -7,6 +7,8 @@ the kernels says so and runs float32. The chi-square and greedy suites run the b
 
 from __future__ import annotations
 
+import copy
+
 import gguf
 import numpy as np
 import pytest
@@ -213,3 +215,44 @@ def test_greedy_output_on_the_embedded_model_equals_the_float32_paths():
         print(f"first divergence at token {at}: float32 top-2 logit gap {gap:.2e}")
         assert gap < 1e-3, f"the paths diverge at token {at} where the float32 path's top-2 gap is {gap:.2e}"
         assert int(logits.topk(2).indices[1]) == from_blocks[at]  # the blocks took the runner-up
+
+
+def test_a_stored_plan_is_read_back_at_the_next_start_and_measured_again_on_request(tmp_path, monkeypatch):
+    from engine.plan_cache import PlanCache
+
+    target = tiny_llama(seed=8, vocab_size=64)
+    file = quantize_in_place(target)
+    first = tiny_engine(target, None).target
+    offer_blocks(first, file)
+    cache = PlanCache(tmp_path)
+    measured = first.weights.plan_matmuls(6, cache)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a stored plan matched: nothing to measure")
+
+    again = tiny_engine(copy.deepcopy(target), None).target
+    offer_blocks(again, file)
+    with monkeypatch.context() as patch:
+        patch.setattr(MatmulPlan, "measure", no_measuring)
+        assert again.weights.plan_matmuls(6, cache).choices == measured.choices
+
+    def held(model) -> list[bool]:
+        return [(id(module), name) in model.weights.prepared for module, name in model.weights.products]
+
+    assert held(again) == held(first)  # the weights held as blocks are the same ones
+    other_rows = tiny_engine(copy.deepcopy(target), None).target
+    with monkeypatch.context() as patch:  # another key (no blocks offered, other row counts): measured
+        patch.setattr(MatmulPlan, "measure", no_measuring)
+        with pytest.raises(AssertionError, match="nothing to measure"):
+            other_rows.weights.plan_matmuls(4, cache)
+    remeasured = tiny_engine(copy.deepcopy(target), None).target
+    offer_blocks(remeasured, file)
+    with monkeypatch.context() as patch:
+        patch.setattr(MatmulPlan, "measure", no_measuring)
+        with pytest.raises(AssertionError, match="nothing to measure"):
+            remeasured.weights.plan_matmuls(6, PlanCache(tmp_path, remeasure=True))
+    (next(tmp_path.glob("*.json"))).write_text("not json")  # unreadable: measured again, with a warning
+    broken = tiny_engine(copy.deepcopy(target), None).target
+    offer_blocks(broken, file)
+    assert broken.weights.plan_matmuls(6, cache).choices

@@ -1,0 +1,112 @@
+"""Matmul plans kept per host and model, so that one start decides as the last one did.
+
+Measured afresh, a plan's choice between forms that run alike moves between starts of the same
+server on an idle host (oneDNN packed 21 or 28 of the embedded target's 35 slots, and the
+formulations of up to 8 slots changed, over six measurements: bench/results/plan_stability.json).
+A ``PlanCache`` stores each measured plan under a key of what it was measured on: the CPU (its
+model name and the instruction set torch dispatches to), the thread count, torch's version, the
+weights' shapes and dtypes, which of them can be held as GGUF blocks, and the row counts. A start
+whose key matches reads the stored plan instead of measuring; ``--matmul-plan measure`` measures
+again and replaces it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .matmul import Key, MatmulPlan
+
+log = logging.getLogger(__name__)
+
+PLAN_MODES = ("cached", "measure")  # read a stored plan where one matches (else measure and store); always measure
+
+
+def default_folder() -> Path:
+    """$XDG_CACHE_HOME/specserve/matmul-plans (~/.cache/... where unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specserve" / "matmul-plans"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCache:
+    folder: Path
+    remeasure: bool = False  # measure even where a stored plan matches, and store the new one
+
+    @classmethod
+    def configured(cls, mode: str, folder: str | None) -> PlanCache:
+        return cls(Path(folder).expanduser() if folder else default_folder(), remeasure=mode == "measure")
+
+    def key(self, shapes: list[Key], block_shapes: list[Key], max_rows: int) -> str:
+        """A digest of the host and the weights a plan is measured on."""
+        described = {
+            "cpu": _cpu_name(),
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "shapes": sorted(_encode_key(key) for key in shapes),
+            "blocks": sorted(_encode_key(key) for key in block_shapes),
+            "max_rows": max_rows,
+        }
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+
+    def load(self, key: str) -> MatmulPlan | None:
+        path = self.folder / f"{key}.json"
+        if self.remeasure or not path.is_file():
+            return None
+        try:
+            stored = json.loads(path.read_text())
+            plan = MatmulPlan(stored["max_rows"])
+            for shape_rows, choice in stored["choices"]:
+                plan.choices[_decode_key(shape_rows[:3]), shape_rows[3]] = choice
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            log.warning("matmul plan %s is unreadable (%s); measuring again", path, error)
+            return None
+        log.info("matmul plan read from %s (measured %s)", path, stored.get("measured", "?"))
+        return plan
+
+    def save(self, key: str, plan: MatmulPlan) -> None:
+        stored = {
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "max_rows": plan.max_rows,
+            "choices": [[[*_encode_key(shape), rows], choice] for (shape, rows), choice in plan.choices.items()],
+            "timings_us": [
+                [[*_encode_key(shape), rows], {name: round(us, 1) for name, us in timings.items()}]
+                for (shape, rows), timings in plan.timings_us.items()
+            ],
+        }
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            temporary = self.folder / f"{key}.json.{os.getpid()}"
+            temporary.write_text(json.dumps(stored) + "\n")
+            temporary.replace(self.folder / f"{key}.json")
+        except OSError as error:  # a read-only home, say: the plan still runs, measured each start
+            log.warning("cannot store the matmul plan in %s (%s)", self.folder, error)
+
+
+def _encode_key(key: Key) -> list:
+    out_features, in_features, dtype = key
+    return [out_features, in_features, str(dtype).removeprefix("torch.")]
+
+
+def _decode_key(encoded: list) -> Key:
+    out_features, in_features, dtype = encoded
+    return out_features, in_features, getattr(torch, dtype)
