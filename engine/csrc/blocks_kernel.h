@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "blocks.h"
-#if defined(__F16C__) || defined(__AVX512F__)
+#if BLOCKS_X86  // intrinsics for the x86 targets (available under the file's #pragma GCC target)
 #include <immintrin.h>
 #endif
 
@@ -27,11 +27,29 @@ static inline V load(const void* p) {
   return v;
 }
 
+// The sum of a vector's lanes, pairwise (a tree of kLanes - 1 additions, log2(kLanes) deep).
+static inline float lanes_sum(vf v) {
+#if BLOCKS_LANES == 16
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#elif BLOCKS_LANES == 8
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#else
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2);
+#endif
+  return v[0];
+}
+
 static inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);  // exact, as half_to_float
+#if BLOCKS_X86
+  return _cvtsh_ss(h);  // F16C: exact, as half_to_float
 #else
   return half_to_float(h);
 #endif
@@ -65,7 +83,7 @@ static inline void nibbles(const uint8_t* qs, const uint8_t* qh_bytes, vf* out, 
   }
 }
 
-#if BLOCKS_LANES == 16 && defined(__AVX512F__)
+#if BLOCKS_X86 && BLOCKS_LANES == 16
 // AVX-512: a block of 4-bit values decodes through a table of its 16 possible weights, table[q] =
 // q * d + m (exact, as the arithmetic path), looked up by vpermps, which reads the low 4 bits of each
 // lane: the widened bytes index the low nibbles as they are and the high ones shifted down.
@@ -126,7 +144,7 @@ struct Q8_0 {
   static constexpr int kBlock = 32, kBytes = 34;
   static inline void decode(const uint8_t* b, vf* out) {
     const float d = half_at(b);
-#if BLOCKS_LANES == 16 && defined(__AVX512F__)
+#if BLOCKS_X86 && BLOCKS_LANES == 16
     for (int c = 0; c < 2; ++c)
       out[c] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * c)))) * d;
 #else
@@ -204,12 +222,7 @@ static void rows_times(const uint8_t* w, int64_t row_bytes, int64_t in_features,
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const vf both = acc[r][0] + acc[r][1];
-      float total = 0.0f;
-      for (int l = 0; l < kLanes; ++l) total += both[l];
-      out[r * out_stride + o] = total;
-    }
+    for (int r = 0; r < R; ++r) out[r * out_stride + o] = lanes_sum(acc[r][0] + acc[r][1]);
   }
 }
 
