@@ -21,7 +21,7 @@ RUN apt-get update \
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu \
- && pip install "setuptools>=68" wheel
+ && pip install "setuptools==84.2.1" "wheel==0.48.0"
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY engine ./engine

@@ -39,7 +39,9 @@ def test_default_model_answers_a_chat_request_sensibly_while_speculating(default
     assert "Paris" in response.choices[0].message.content
     assert response.choices[0].finish_reason == "stop"
     speculative = response.usage.model_extra["speculative"]
-    assert speculative["accepted_tokens"] > 0 and speculative["mean_tokens_per_forward"] > 1.5
+    # auto drafts with what its measured costs say pays: with the target on its GGUF blocks a copy
+    # of it costs more than a target step, so on a short chat answer it keeps fewer drafts per forward
+    assert speculative["accepted_tokens"] > 0 and speculative["mean_tokens_per_forward"] > 1.0
 
 
 def test_default_model_streams_the_same_answer(default_server):
