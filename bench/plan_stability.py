@@ -30,7 +30,7 @@ from engine.blocks import FileTensors, offer_blocks  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import build_engine  # noqa: E402
 from engine.loader import load  # noqa: E402
-from engine.matmul import MatmulPlan, weight_key  # noqa: E402
+from engine.matmul import MatmulPlan  # noqa: E402
 from engine.plan_cache import PlanCache  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -53,12 +53,8 @@ def measure_plans(weights, starts: int, max_rows: int, margin: bool) -> dict:
     if not margin:
         matmul.HELD_MARGIN, matmul.RETIMES = 0.0, 0
     try:
-        by_shape: dict = collections.defaultdict(list)
-        for held in weights.blocks.values():
-            by_shape[weight_key(held)].append(held)
-        plans = [
-            MatmulPlan.measure(weights.linear_weights(), max_rows, blocks=dict(by_shape)).choices for _ in range(starts)
-        ]
+        by_shape = weights.blocks_by_shape()
+        plans = [MatmulPlan.measure(weights.linear_weights(), max_rows, blocks=by_shape).choices for _ in range(starts)]
     finally:
         matmul.HELD_MARGIN, matmul.RETIMES = saved
     keyed = [tuple(sorted((f"{k[0][0]}x{k[0][1]}", k[1], v) for k, v in plan.items())) for plan in plans]

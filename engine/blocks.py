@@ -108,25 +108,21 @@ class BlockWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = rows.new_empty(rows.shape[0], self.out_features)  # [N, O]
-        ops = torch.ops.specserve
-        if len(self.parts) == 1 and rows.shape[0] <= DIRECT_ROWS:  # a decode or verify step: one call
-            part = self.parts[0]
-            ops.blocks_times(rows, part.blocks, part.format, self.in_features, self.isa, out)
-        else:
-            start = 0
-            for part in self.parts:
-                columns = out[:, start : start + part.rows]  # [N, O_part], rows out.stride(0) apart
-                if rows.shape[0] <= DIRECT_ROWS:
-                    ops.blocks_times(rows, part.blocks, part.format, self.in_features, self.isa, columns)
-                else:
-                    self._tiled(rows, part, columns)
-                start += part.rows
+        start = 0
+        for part in self.parts:
+            # [N, O_part], rows out.stride(0) apart; a single part (the usual case) writes out itself
+            columns = out if len(self.parts) == 1 else out[:, start : start + part.rows]
+            if rows.shape[0] <= DIRECT_ROWS:  # decode and verify: the kernel itself
+                torch.ops.specserve.blocks_times(rows, part.blocks, part.format, self.in_features, self.isa, columns)
+            else:
+                self._tiled(rows, part, columns)
+            start += part.rows
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _tiled(self, rows: torch.Tensor, part: BlockPart, columns: torch.Tensor) -> torch.Tensor:
-        """Many rows: decode ``part`` a tile of weight rows at a time and multiply in float32."""
+    def _tiled(self, rows: torch.Tensor, part: BlockPart, columns: torch.Tensor) -> None:
+        """Many rows: decode ``part`` a tile of weight rows at a time and multiply in float32 into ``columns``."""
         step = max(1, TILE_BYTES // (4 * self.in_features))
         tile = rows.new_empty(min(step, part.rows), self.in_features)  # [T, I]
         for begin in range(0, part.rows, step):
@@ -134,7 +130,6 @@ class BlockWeight:
             decoded = tile[: blocks.shape[0]]
             torch.ops.specserve.blocks_decode(blocks, part.format, self.in_features, self.isa, decoded)
             torch.mm(rows, decoded.T, out=columns[:, begin : begin + blocks.shape[0]])
-        return columns
 
     def dense(self) -> torch.Tensor:
         """The weight [O, I] in float32, as ``load`` produced it."""

@@ -10,6 +10,9 @@ from .errors import ConfigError
 
 FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
 KERNEL_MODES = ("auto", "eager", "compiled")  # the pointwise work between products (engine/kernels.py)
+# CPU matmul plans (engine/plan_cache.py): read the one stored for this host and model where one matches
+# (else measure and store it), or measure again and replace it
+PLAN_MODES = ("cached", "measure")
 NO_DRAFTER = "none"  # as a drafter's name: the target alone (a request's, or the engine's default)
 DRAFT_KV = ("auto", "own", "target")
 COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
@@ -65,8 +68,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.suffix_cache_requests < 0:
             raise ConfigError(f"suffix_cache_requests must be at least 0, got {self.suffix_cache_requests}")
-        if self.matmul_plan not in ("cached", "measure"):
-            raise ConfigError(f"matmul_plan must be cached or measure, got {self.matmul_plan!r}")
+        if self.matmul_plan not in PLAN_MODES:
+            raise ConfigError(f"matmul_plan must be one of {', '.join(PLAN_MODES)}, got {self.matmul_plan!r}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be at least 1, got {self.threads}")
         if self.num_draft_tokens < 0 or self.num_draft_tokens > 64:

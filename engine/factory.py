@@ -140,6 +140,7 @@ def warm_up(engine: SpecEngine) -> WarmUp:
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     kernels = compile_kernels(engine, required=config.kernels == "compiled")  # before any capture
     max_query = config.num_draft_tokens + 2
+    plan_cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
     variants = 0
     matmuls, attention = [], []
     for model in engine.models:
@@ -149,8 +150,7 @@ def warm_up(engine: SpecEngine) -> WarmUp:
             layer_sets += engine.drafters.target_layer_sets()
         if model.runner is None:
             if model.device.type == "cpu":
-                cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
-                model.weights.plan_matmuls(min(max_query, model.max_len), cache)
+                model.weights.plan_matmuls(min(max_query, model.max_len), plan_cache)
                 matmuls.append(f"{role} {model.weights.describe()}")
             for num_tokens in range(1, min(max_query, model.max_len) + 1):
                 model.cache.rollback(0)

@@ -207,11 +207,10 @@ class MatmulPlan:
     def _time_group(self, key: Key, operands: dict[str, list], slots: list[int], repeats: int) -> None:
         """Time each form in ``operands`` on its group at every slot; keep the fastest float32 formulation."""
         device = operands["linear"][0].device
-        held = [form for form in HELD if form in operands]
         with torch.inference_mode():
             for slot in slots:
                 x = torch.randn(slot or LONG_ROWS, key[1], dtype=key[2], device=device)  # [N, I]
-                best = dict.fromkeys(candidates(key[2], slot, PACKED in held, BLOCKS in held), float("inf"))
+                best = dict.fromkeys(candidates(key[2], slot, PACKED in operands, BLOCKS in operands), float("inf"))
                 if len(best) == 1:
                     self.choices[key, slot] = next(iter(best))
                     continue

@@ -27,8 +27,6 @@ from .matmul import Key, MatmulPlan
 
 log = logging.getLogger(__name__)
 
-PLAN_MODES = ("cached", "measure")  # read a stored plan where one matches (else measure and store); always measure
-
 
 def default_folder() -> Path:
     """$XDG_CACHE_HOME/specserve/matmul-plans (~/.cache/... where unset)."""

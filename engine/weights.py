@@ -113,6 +113,13 @@ class ProductWeights:
         """Let the plan hold these products as GGUF blocks, where it measures them faster."""
         self.blocks, self.blocks_line = blocks, line
 
+    def blocks_by_shape(self) -> dict:
+        """The offered GGUF blocks grouped by weight key, as ``MatmulPlan.measure`` times them."""
+        by_shape: dict = {}
+        for held in self.blocks.values():
+            by_shape.setdefault(weight_key(held), []).append(held)
+        return by_shape
+
     def plan_matmuls(self, max_rows: int, cache: PlanCache | None = None) -> MatmulPlan:
         """On CPU, measure which formulation is fastest for each weight shape at 1..max_rows rows
         (decode and verify shapes) and use it from now on (a plan already measured that far stays);
@@ -120,9 +127,7 @@ class ProductWeights:
         the one measured. Elsewhere products stay F.linear."""
         if self.keep.device.type == "cpu" and not self.int8 and self.plan.max_rows < max_rows:
             self.use_plan(MatmulPlan())  # measured on the weights as the checkpoint holds them
-            by_shape: dict = {}
-            for held in self.blocks.values():
-                by_shape.setdefault(weight_key(held), []).append(held)
+            by_shape = self.blocks_by_shape()
             weights = self.linear_weights()
             key = cache.key([weight_key(w) for w in weights], list(by_shape), max_rows) if cache else ""
             plan = cache.load(key) if cache else None

@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.config import DRAFT_KV, DTYPES, KERNEL_MODES, ConfigError, EngineConfig
+from engine.config import DRAFT_KV, DTYPES, KERNEL_MODES, PLAN_MODES, ConfigError, EngineConfig
 
 DEFAULT_DRAFT = "copy:auto"  # a copy of the target, bfloat16 or int8 rows, whichever measures faster here
 ENGINE_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
@@ -79,7 +79,7 @@ class ServeSettings(BaseSettings):
     gguf_blocks: bool = engine_field(
         "gguf_blocks", "a GGUF target on CPU multiplies its file's own quantized blocks where faster (exact, float32)"
     )
-    matmul_plan: Literal["cached", "measure"] = engine_field(
+    matmul_plan: Literal[PLAN_MODES] = engine_field(
         "matmul_plan",
         "CPU: read the matmul plan stored for this host and model (cached), or measure it again and store it",
     )

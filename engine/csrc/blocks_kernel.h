@@ -7,7 +7,12 @@
 #include <cstring>
 
 #include "blocks.h"
-#if BLOCKS_X86  // intrinsics for the x86 targets (available under the file's #pragma GCC target)
+// BLOCKS_X86: set by a file whose #pragma GCC target provides the x86 intrinsics used below (a
+// pragma defines no __AVX512F__ or __F16C__, so the macros cannot tell); unset, the code is portable.
+#ifndef BLOCKS_X86
+#define BLOCKS_X86 0
+#endif
+#if BLOCKS_X86
 #include <immintrin.h>
 #endif
 
