@@ -127,6 +127,7 @@ class MatmulPlan:
     max_rows: int = 0
     choices: dict[tuple[Key, int], str] = field(default_factory=dict)
     timings_us: dict[tuple[Key, int], dict[str, float]] = field(default_factory=dict)  # what the choice rests on
+    stored: str = ""  # a plan read back from a PlanCache: when it was measured
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., N, I] -> [..., N, O]."""
@@ -233,7 +234,8 @@ class MatmulPlan:
         if not self.choices:
             return "F.linear"
         won = {name: sum(choice == name for choice in self.choices.values()) for name in NAMES}
-        return ", ".join(f"{name} {count}/{len(self.choices)}" for name, count in won.items() if count)
+        counts = ", ".join(f"{name} {count}/{len(self.choices)}" for name, count in won.items() if count)
+        return counts + (f" (stored plan, measured {self.stored})" if self.stored else "")
 
 
 def _held(x: torch.Tensor, weight) -> torch.Tensor:

@@ -72,7 +72,7 @@ class PlanCache:
             return None
         try:
             stored = json.loads(path.read_text())
-            plan = MatmulPlan(stored["max_rows"])
+            plan = MatmulPlan(stored["max_rows"], stored=stored.get("measured", "at an unknown time"))
             for shape_rows, choice in stored["choices"]:
                 plan.choices[_decode_key(shape_rows[:3]), shape_rows[3]] = choice
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:

@@ -236,6 +236,8 @@ def test_a_stored_plan_is_read_back_at_the_next_start_and_measured_again_on_requ
     with monkeypatch.context() as patch:
         patch.setattr(MatmulPlan, "measure", no_measuring)
         assert again.weights.plan_matmuls(6, cache).choices == measured.choices
+    assert "stored plan, measured" in again.weights.describe()  # the start-up line says it was read back
+    assert "stored plan" not in first.weights.describe()
 
     def held(model) -> list[bool]:
         return [(id(module), name) in model.weights.prepared for module, name in model.weights.products]
