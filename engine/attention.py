@@ -1,7 +1,11 @@
-"""Attention over the cache: one fused SDPA call, or split over chunks of a long window.
+"""Attention over the cache: one fused SDPA call, split over chunks of a long window, or, for a few
+query rows on CPU, engine/csrc's kernel.
 
 ``CausalLM`` attends by SDPA; ``engine/runner.py`` measures at CUDA warm-up whether a long window
-attends faster split (``split_attention``) and keeps the faster per window.
+attends faster split (``split_attention``) and keeps the faster per window. A CPU float32 model
+whose eager kernels are native (``engine/kernels.py``) attends through ``specserve::decode_attention``
+at decode and verify: each (KV head, query row) one task with a vectorised softmax, where torch's
+CPU flash attention spends more on setting up its blocks than on a window of a few hundred keys.
 """
 
 from __future__ import annotations
@@ -9,12 +13,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+NATIVE_QUERY_ROWS = 64  # the most query rows per KV head (grouped heads times new tokens) the kernel takes
+
 
 def attend(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float, chunks: int
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    chunks: int,
+    native: bool = False,
 ) -> torch.Tensor:
     """query [1, H_kv, Q, D] over keys and values [1, H_kv, W, D] (mask [Q, W], True: attend; None:
-    all) -> [1, H_kv, Q, D]: one SDPA call, or ``split_attention`` in ``chunks`` chunks."""
+    all) -> [1, H_kv, Q, D]: one SDPA call, ``split_attention`` in ``chunks`` chunks, or (``native``,
+    a few rows of a head size the kernel takes) engine/csrc's kernel."""
+    _, _, rows, dim = query.shape
+    if native and not chunks and rows <= NATIVE_QUERY_ROWS and dim % 4 == 0 and dim <= 256:
+        return torch.ops.specserve.decode_attention.default(query, keys, values, mask, scale)
     if chunks:
         return split_attention(query, keys, values, mask, scale, chunks)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)

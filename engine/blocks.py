@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,6 +58,15 @@ def kernel_isa() -> int:
     return int(torch.ops.specserve.blocks_isa())
 
 
+def native_ops_available() -> bool:
+    """Whether engine/_blocks loads here (its pointwise ops too: engine/kernels.py)."""
+    try:
+        kernel_isa()
+    except BlocksUnavailable:
+        return False
+    return True
+
+
 def _ops_registered() -> bool:
     try:
         torch.ops.specserve.blocks_isa  # noqa: B018 (an attribute lookup that raises when absent)
@@ -87,10 +96,10 @@ class BlockWeight:
     in_features: int
     bias: torch.Tensor | None
     isa: int
+    out_features: int = field(init=False)  # the parts' rows together
 
-    @property
-    def out_features(self) -> int:
-        return sum(part.rows for part in self.parts)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_features", sum(part.rows for part in self.parts))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -108,18 +117,19 @@ class BlockWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = rows.new_empty(rows.shape[0], self.out_features)  # [N, O]
+        multiply = self._direct if rows.shape[0] <= DIRECT_ROWS else self._tiled  # decode and verify: the kernel itself
         start = 0
         for part in self.parts:
             # [N, O_part], rows out.stride(0) apart; a single part (the usual case) writes out itself
-            columns = out if len(self.parts) == 1 else out[:, start : start + part.rows]
-            if rows.shape[0] <= DIRECT_ROWS:  # decode and verify: the kernel itself
-                torch.ops.specserve.blocks_times(rows, part.blocks, part.format, self.in_features, self.isa, columns)
-            else:
-                self._tiled(rows, part, columns)
+            multiply(rows, part, out if len(self.parts) == 1 else out[:, start : start + part.rows])
             start += part.rows
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _direct(self, rows: torch.Tensor, part: BlockPart, columns: torch.Tensor) -> None:
+        """A few rows: the kernel decodes each block once for all of them, into ``columns``."""
+        torch.ops.specserve.blocks_times.default(rows, part.blocks, part.format, self.in_features, self.isa, columns)
 
     def _tiled(self, rows: torch.Tensor, part: BlockPart, columns: torch.Tensor) -> None:
         """Many rows: decode ``part`` a tile of weight rows at a time and multiply in float32 into ``columns``."""

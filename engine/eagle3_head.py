@@ -22,6 +22,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
+from .attention import attend
 from .errors import ConfigError
 from .kv import KVCache
 from .loader import locate
@@ -102,29 +103,40 @@ class Eagle3Head(nn.Module):
         count, start = ids.shape[0], self.cache.length
         positions = self.target.positions[start : start + count]  # [T]
         layer, attn, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
-        embedded = layer.input_layernorm(self.target.embed(ids))  # [T, H]
-        normed = layer.hidden_norm(features)  # [T, H]
+        embedded = self._norm(layer.input_layernorm, self.target.embed(ids))  # [T, H]
+        normed = self._norm(layer.hidden_norm, features)  # [T, H]
         residual = normed if self.norm_before_residual else features
         x = torch.cat([embedded, normed], dim=-1)[None]  # [1, T, 2H]
         q = attn.q_proj(x).view(1, count, self.num_heads, self.head_dim).transpose(1, 2)  # [1, Hq, T, D]
         k = attn.k_proj(x).view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
         v = attn.v_proj(x).view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)  # [T, D]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        turn = torch.ops.specserve.rotate.default if self.target.kernels.native else rotate
+        q, k = turn(q, cos, sin), turn(k, cos, sin)
         window = start + count
         keys, values = self.cache.write(0, positions, k, v, window)  # [1, Hkv, W, D]
-        mask = None if count == 1 else self.target.positions[None, :window] <= positions[:, None]  # [T, W]
-        repeat = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q, keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1), attn_mask=mask
-        )  # [1, Hq, T, D]
+        group = self.num_heads // self.num_kv_heads
+        mask = None  # the G = Hq / Hkv query heads of a KV head attend as G*T queries of it, as the target's do
+        if count > 1:
+            mask = (self.target.positions[None, :window] <= positions[:, None]).repeat(group, 1)  # [G*T, W]
+        grouped = q.reshape(1, self.num_kv_heads, group * count, self.head_dim)  # [1, Hkv, G*T, D]
+        scale = self.head_dim**-0.5
+        out = attend(grouped, keys, values, mask, scale, 0, self.target.kernels.native)  # [1, Hkv, G*T, D]
+        out = out.reshape(1, self.num_heads, count, self.head_dim)  # [1, Hq, T, D]
         hidden = attn.o_proj(out.transpose(1, 2).reshape(1, count, -1))[0] + residual  # [T, H]
-        normed = layer.post_attention_layernorm(hidden)
+        normed = self._norm(layer.post_attention_layernorm, hidden)
         hidden = mlp.down_proj(F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed)) + hidden  # [T, H] pre-norm
-        draft_logits = self.lm_head(self.norm(hidden[-1:]))  # [1, Vd]
+        draft_logits = self.lm_head(self._norm(self.norm, hidden[-1:]))  # [1, Vd]
         logits = draft_logits.new_full((1, self.vocab_size), float("-inf"))  # [1, V]
         logits[:, self.draft_to_target] = draft_logits
         return logits, hidden[-1:]
+
+    def _norm(self, norm: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """x through the RMSNorm ``norm``: engine/csrc's op beside a target whose kernels are native
+        (one call where the module makes about eight), else the module."""
+        if self.target.kernels.native and x.dtype == torch.float32:
+            return torch.ops.specserve.rms_norm.default(x, norm.weight, norm.variance_epsilon)
+        return norm(x)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

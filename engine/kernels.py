@@ -85,10 +85,20 @@ class Pointwise:
     rotate: Callable  # (x, cos, sin) -> rotated
     gate: Callable  # gate_up -> act(gate) * up
     compilations: dict[str, int] = field(default_factory=dict)  # compiled: how often each function compiled
+    native: bool = False  # the norms and the rotation run engine/csrc's ops
 
     @classmethod
-    def eager(cls, eps: float, activation: Callable) -> Pointwise:
-        return cls("eager", **_bound(eps, activation))
+    def eager(cls, eps: float, activation: Callable, native: bool = False) -> Pointwise:
+        """Eager functions; ``native``: the norms and the rotation by engine/csrc's ops (CPU float32),
+        one call each where torch launches several (a norm is about eight)."""
+        functions = _bound(eps, activation)
+        if native:
+            ops = torch.ops.specserve
+            norm, add_norm = ops.rms_norm.default, ops.add_rms_norm.default
+            functions["rms_norm"] = lambda x, weight: norm(x, weight, eps)
+            functions["add_rms_norm"] = lambda residual, delta, weight: add_norm(residual, delta, weight, eps)
+            functions["rotate"] = ops.rotate.default
+        return cls("eager", **functions, native=native)
 
     @classmethod
     def compiled(cls, eps: float, activation: Callable, backend: str = "inductor") -> Pointwise:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .attention import attend
+from .blocks import native_ops_available
 from .errors import ConfigError
 from .kernels import Pointwise
 from .kv import KVCache
@@ -54,6 +55,12 @@ class CausalLM:
         for layer in self.layers:  # one matrix product for q, k, v and one for gate, up (fewer kernels)
             for module, (fused, names) in zip((layer.self_attn, layer.mlp), FUSED.items(), strict=True):
                 fuse_linears(module, names, fused)
+        # Qwen3 normalises each query and key head before rotary: its layers' (q_norm, k_norm), by layer
+        self.head_norms = {
+            i: (layer.self_attn.q_norm, layer.self_attn.k_norm)
+            for i, layer in enumerate(self.layers)
+            if hasattr(layer.self_attn, "q_norm")
+        }
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.num_heads = config.num_attention_heads
@@ -83,7 +90,7 @@ class CausalLM:
         if any(norm.variance_epsilon != self.norm_eps for norm in norms):
             raise UnsupportedModel("the layers' RMSNorms must share one epsilon (the config's rms_norm_eps)")
         self.activation = self.layers[0].mlp.act_fn
-        self.kernels = Pointwise.eager(self.norm_eps, self.activation)
+        self.kernels = Pointwise.eager(self.norm_eps, self.activation, self._native_kernels())
         self.weights = ProductWeights(self._products(), self.embed.weight)
 
     @property
@@ -196,13 +203,21 @@ class CausalLM:
     def upload(self, token_ids: list[int]) -> torch.Tensor:
         return upload(token_ids, self.device)
 
-    def use_kernels(self, mode: str, backend: str = "inductor") -> None:
+    def use_kernels(self, mode: str, backend: str = "inductor", native: bool = True) -> None:
         """Run the pointwise work between products eagerly ("eager") or fused by torch.compile with
-        ``backend`` ("compiled", each function compiled for this model on its first call)."""
+        ``backend`` ("compiled", each function compiled for this model on its first call). ``native``:
+        eager functions may run engine/csrc's ops, where this model can (``_native_kernels``); not
+        under a runner that compiles the whole forward, which fuses that work itself (the ops are
+        opaque to the compiler)."""
         if mode == "compiled":
             self.kernels = Pointwise.compiled(self.norm_eps, self.activation, backend)
         else:
-            self.kernels = Pointwise.eager(self.norm_eps, self.activation)
+            self.kernels = Pointwise.eager(self.norm_eps, self.activation, native and self._native_kernels())
+
+    def _native_kernels(self) -> bool:
+        """Whether the eager norms and rotation can run engine/csrc's ops: a float32 CPU model, with
+        the ops built at install."""
+        return self.device.type == "cpu" and self.dtype == torch.float32 and native_ops_available()
 
     @property
     def compilations(self) -> int:
@@ -268,9 +283,10 @@ class CausalLM:
         num_new, heads, kv_heads, dim = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.weights.linear(x, attn, "qkv_weight")  # [1, T, (H + 2 H_kv) D]
         v = qkv[..., (heads + kv_heads) * dim :].view(1, num_new, kv_heads, dim).transpose(1, 2)  # [1, H_kv, T, D]
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
-            q = attn.q_norm(qkv[..., : heads * dim].view(1, num_new, heads, dim))  # [1, T, H, D]
-            k = attn.k_norm(qkv[..., heads * dim : (heads + kv_heads) * dim].view(1, num_new, kv_heads, dim))
+        head_norms = self.head_norms.get(index)
+        if head_norms is not None:
+            q = head_norms[0](qkv[..., : heads * dim].view(1, num_new, heads, dim))  # [1, T, H, D]
+            k = head_norms[1](qkv[..., heads * dim : (heads + kv_heads) * dim].view(1, num_new, kv_heads, dim))
             qk = torch.cat([q, k], dim=2)  # [1, T, H + H_kv, D]
         else:
             qk = qkv[..., : (heads + kv_heads) * dim].view(1, num_new, heads + kv_heads, dim)  # [1, T, H + H_kv, D]
@@ -280,7 +296,7 @@ class CausalLM:
         # The G = H / H_kv query heads sharing a KV head attend as G*T queries of that head: no copies
         # of keys and values, and a plain attention kernel (with a mask) serves grouped-query models.
         grouped = q.reshape(1, kv_heads, (heads // kv_heads) * num_new, dim)  # [1, H_kv, G*T, D]
-        out = attend(grouped, keys, values, mask, self.scaling, chunks)  # [1, H_kv, G*T, D]
+        out = attend(grouped, keys, values, mask, self.scaling, chunks, self.kernels.native)  # [1, H_kv, G*T, D]
         out = out.reshape(1, heads, num_new, dim).transpose(1, 2).reshape(1, num_new, heads * dim)  # [1, T, H*D]
         return self.weights.linear(out, attn.o_proj, "weight")  # [1, T, E]
 

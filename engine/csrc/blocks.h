@@ -32,10 +32,16 @@ static inline float half_to_float(uint16_t h) {
              int64_t o_end, const float* x, int64_t num_rows, int64_t x_stride, float* out, int64_t out_stride); \
   void decode(int format, const uint8_t* w, int64_t row_bytes, int64_t in_features, int64_t o_begin,          \
               int64_t o_end, float* out, int64_t out_stride);                                                  \
+  void attend(const float* q, int64_t q_head_stride, int64_t q_row_stride, const float* k, const float* v,     \
+              int64_t kv_head_stride, int64_t kv_row_stride, const bool* mask, int64_t mask_row_stride,         \
+              int64_t num_queries, int64_t window, int64_t dim, float scale, int64_t begin, int64_t end,        \
+              float* out, float* scores);                                                                      \
   }
 SPECSERVE_DECLARE(portable)
 SPECSERVE_DECLARE(avx2)
 SPECSERVE_DECLARE(avx512)
 #undef SPECSERVE_DECLARE
+
+int64_t best_isa();  // the widest instruction set this CPU runs: 0 portable, 1 AVX2, 2 AVX-512
 
 }  // namespace specserve_blocks

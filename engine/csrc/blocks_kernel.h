@@ -283,3 +283,5 @@ void decode(int format, const uint8_t* w, int64_t row_bytes, int64_t in_features
 
 }  // namespace BLOCKS_NS
 }  // namespace specserve_blocks
+
+#include "attention_kernel.h"  // the attention of decode and verify, for the same instruction set

@@ -21,8 +21,6 @@ bool has_isa(int64_t isa) {
   return isa == 0;
 }
 
-int64_t best_isa() { return has_isa(2) ? 2 : has_isa(1) ? 1 : 0; }
-
 int64_t block_elements(int64_t format) { return format == kQ4_K || format == kQ6_K ? 256 : 32; }
 
 void check(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa) {
@@ -72,6 +70,9 @@ void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features
 }
 
 }  // namespace
+
+int64_t best_isa() { return has_isa(2) ? 2 : has_isa(1) ? 1 : 0; }
+
 }  // namespace specserve_blocks
 
 TORCH_LIBRARY(specserve, m) {

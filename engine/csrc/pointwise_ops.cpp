@@ -1,0 +1,178 @@
+// The pointwise work between a layer's products, one op each where eager torch launches several:
+// specserve::rms_norm, specserve::add_rms_norm and specserve::rotate, for float32 CPU tensors
+// (engine/kernels.py uses them for a CPU float32 model). At a decode step each reads and writes a
+// few KB, so what they save is the launches (a norm is about eight), not arithmetic. The MLP's gate
+// stays torch's: its vectorised exp is as fast as one op of ours.
+//
+// rotate rounds as the eager ops do: no contraction into fused multiply-adds (the
+// pragma below), so a*b + c*d is two rounded products and a rounded sum, as torch's mul, mul and
+// add. The norm's sum of squares is taken in double, so it differs from torch's float32 reduction
+// only in rounding.
+#pragma GCC optimize("fp-contract=off")
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "blocks.h"
+
+namespace specserve_pointwise {
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 15;  // rows per task: about this many elements (small inputs run inline)
+
+int64_t grain(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, width)); }
+
+void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+}
+
+// rows of x [R, E] (contiguous) into out, times weight [E]; total, when given, receives x first
+void normalise(const float* x, const float* delta, const float* weight, float* total, float* out, int64_t num_rows,
+               int64_t width, double eps) {
+  at::parallel_for(0, num_rows, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* in = x + row * width;
+      float* sum_out = total != nullptr ? total + row * width : nullptr;
+      double squares = 0.0;
+      for (int64_t i = 0; i < width; ++i) {
+        float value = in[i];
+        if (delta != nullptr) {
+          value += delta[row * width + i];
+          sum_out[i] = value;
+        }
+        squares += static_cast<double>(value) * value;
+      }
+      const float scale = static_cast<float>(1.0 / std::sqrt(squares / width + eps));
+      const float* source = delta != nullptr ? sum_out : in;
+      float* dest = out + row * width;
+      for (int64_t i = 0; i < width; ++i) dest[i] = weight[i] * (source[i] * scale);
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float(x, "x");
+  check_float(weight, "weight");
+  const int64_t width = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == width, "weight must be [E] for x [..., E]");
+  const at::Tensor input = x.contiguous(), scale = weight.contiguous();
+  at::Tensor out = at::empty_like(input);
+  normalise(input.data_ptr<float>(), nullptr, scale.data_ptr<float>(), nullptr, out.data_ptr<float>(),
+            input.numel() / std::max<int64_t>(1, width), width, eps);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps) {
+  check_float(residual, "residual");
+  check_float(delta, "delta");
+  check_float(weight, "weight");
+  TORCH_CHECK(residual.sizes() == delta.sizes(), "residual and delta must have one shape");
+  const int64_t width = residual.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == width, "weight must be [E] for x [..., E]");
+  const at::Tensor base = residual.contiguous(), added = delta.contiguous(), scale = weight.contiguous();
+  at::Tensor total = at::empty_like(base), out = at::empty_like(base);
+  normalise(base.data_ptr<float>(), added.data_ptr<float>(), scale.data_ptr<float>(), total.data_ptr<float>(),
+            out.data_ptr<float>(), base.numel() / std::max<int64_t>(1, width), width, eps);
+  return {total, out};
+}
+
+// x [B, H, T, D] (any strides, D contiguous), cos and sin [T, D] -> x * cos + rotate_half(x) * sin, contiguous
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_float(x, "x");
+  check_float(cos, "cos");
+  check_float(sin, "sin");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0, "x must be [B, H, T, D] with D contiguous");
+  const int64_t batch = x.size(0), heads = x.size(1), length = x.size(2), dim = x.size(3), half = dim / 2;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == length && cos.size(1) == dim,
+              "cos and sin must be [T, D]");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor out = at::empty({batch, heads, length, dim}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float *cs = c.data_ptr<float>(), *ss = s.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), st = x.stride(2);
+  at::parallel_for(0, batch * heads * length, grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t t = index % length, h = (index / length) % heads, b = index / (length * heads);
+      const float* in = xs + b * sb + h * sh + t * st;
+      const float *ct = cs + t * dim, *st_ = ss + t * dim;
+      float* dest = os + index * dim;
+      for (int64_t i = 0; i < half; ++i) dest[i] = in[i] * ct[i] + (-in[i + half]) * st_[i];
+      for (int64_t i = half; i < dim; ++i) dest[i] = in[i] * ct[i] + in[i - half] * st_[i];
+    }
+  });
+  return out;
+}
+
+// query [1, H_kv, Q, D] over keys and values [1, H_kv, W, D] (rows of D contiguous), mask [Q, W]
+// (true: attend; none: every position) -> [1, H_kv, Q, D], by instruction set ``isa`` (-1: the
+// widest this CPU runs whose vectors divide D)
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                            const std::optional<at::Tensor>& mask, double scale, int64_t isa) {
+  check_float(query, "query");
+  check_float(keys, "keys");
+  check_float(values, "values");
+  TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 && query.stride(3) == 1, "query must be [1, H_kv, Q, D]");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.strides() == values.strides() &&
+                  keys.stride(3) == 1 && keys.size(1) == query.size(1) && keys.size(3) == query.size(3),
+              "keys and values must be [1, H_kv, W, D] views of one layout");
+  const int64_t heads = query.size(1), num_queries = query.size(2), dim = query.size(3), window = keys.size(2);
+  constexpr int64_t kLanes[] = {4, 8, 16};  // float32 lanes of the portable, AVX2 and AVX-512 kernels
+  if (isa < 0) {
+    isa = specserve_blocks::best_isa();
+    while (isa > 0 && dim % kLanes[isa] != 0) --isa;
+  }
+  TORCH_CHECK(isa <= specserve_blocks::best_isa(), "this CPU lacks instruction set ", isa);
+  TORCH_CHECK(dim % kLanes[isa] == 0 && dim <= 256, "the head dimension must be a multiple of ", kLanes[isa],
+              ", at most 256");
+  const bool* allowed = nullptr;
+  at::Tensor mask_rows;
+  if (mask.has_value()) {
+    mask_rows = mask->contiguous();
+    TORCH_CHECK(mask_rows.scalar_type() == at::kBool && mask_rows.dim() == 2 && mask_rows.size(0) == num_queries &&
+                    mask_rows.size(1) == window,
+                "mask must be bool [Q, W]");
+    allowed = mask_rows.data_ptr<bool>();
+  }
+  at::Tensor out = at::empty({1, heads, num_queries, dim}, query.options());
+  const float *q = query.data_ptr<float>(), *k = keys.data_ptr<float>(), *v = values.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t tasks = heads * num_queries;
+  auto run = isa == 2 ? specserve_blocks::avx512::attend
+             : isa == 1 ? specserve_blocks::avx2::attend
+                        : specserve_blocks::portable::attend;
+  // a short window is one task (threads cost more than it); a long one a task per (head, row)
+  const int64_t task_grain = window * dim * tasks < kGrainElements * 8 ? tasks : 1;
+  at::parallel_for(0, tasks, task_grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(window + kLanes[isa]);  // room for a vector's padding
+    run(q, query.stride(1), query.stride(2), k, v, keys.stride(1), keys.stride(2), allowed, window, num_queries,
+        window, dim, static_cast<float>(scale), begin, end, o, scores.data());
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace specserve_pointwise
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor residual, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotate(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale, int isa=-1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specserve, CPU, m) {
+  m.impl("rms_norm", specserve_pointwise::rms_norm);
+  m.impl("add_rms_norm", specserve_pointwise::add_rms_norm);
+  m.impl("rotate", specserve_pointwise::rotate);
+  m.impl("decode_attention", specserve_pointwise::decode_attention);
+}
