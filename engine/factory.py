@@ -119,9 +119,9 @@ def build_engine(
         cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
         draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens, cache)
         config = replace(config, draft=COPY_PREFIX + form)
-    mode = config.forward_mode
     for model in filter(None, (target, draft)):
-        model.use_kernels(config.kernel_mode, config.compile_backend, native=mode == "eager")
+        model.use_kernels(config.kernel_mode, config.compile_backend)
+    mode = config.forward_mode
     if mode != "eager":  # decode-shaped forwards: up to k drafts, a pending token, and a bonus row
         for model in filter(None, (target, draft)):
             model.runner = GraphRunner(model, mode, config.num_draft_tokens + 2, config.compile_backend)

@@ -97,3 +97,14 @@ class KVCache:
         self.keys[layer].index_copy_(2, positions, keys)
         self.values[layer].index_copy_(2, positions, values)
         return self.keys[layer, :, :, :window], self.values[layer, :, :, :window]
+
+    def write_rotating(
+        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, start: int, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``write`` fused with the rotary embedding, by engine/csrc's op (a CPU float32 cache): a
+        layer's qkv [1, T, (H + 2 H_kv) D] at positions [start, start + T) with cos/sin [T, D] ->
+        (q rotated [1, H, T, D], and [1, H_kv, window, D] views of keys and values), k rotated and v
+        stored. It rounds as the rotation and ``write`` do apart."""
+        keys, values = self.keys[layer], self.values[layer]  # [1, H_kv, S, D]
+        q = torch.ops.specserve.rotate_into_cache.default(qkv, cos, sin, keys, values, heads, start)
+        return q, keys[:, :, :window], values[:, :, :window]

@@ -157,7 +157,9 @@ class CausalLM:
             return hidden[first:], logits[first:]
         end = start + input_ids.shape[0]
         masked = input_ids.shape[0] > 1
-        hidden = self._body(input_ids, self.positions[start:end], end, layers, masked, num_logits)  # [N, E]
+        hidden = self._body(
+            input_ids, self.positions[start:end], end, layers, masked, num_logits, start=start
+        )  # [N, E]
         return hidden, self.logits(hidden)
 
     def static_forward(
@@ -248,11 +250,13 @@ class CausalLM:
         masked: bool,
         num_out: int,
         chunks: int = 0,
+        start: int | None = None,
     ) -> torch.Tensor:
         """input_ids [T] at positions [T], attending over cache positions [0, window) -> the final
         normalised hidden states [N, E] of the last ``num_out`` tokens. Each residual connection is
         added where the next norm reads it, in one kernel with it when the kernels are compiled.
-        The residual stream entering each of ``aux_layers`` goes to ``features`` at ``positions``."""
+        The residual stream entering each of ``aux_layers`` goes to ``features`` at ``positions``.
+        ``start``: the eager forward's first position (positions are [start, window)); None: traced."""
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
         mask = None  # unmasked only when T = 1 and the window ends at its position
         if masked:  # query i (at positions[i]) sees keys [0, positions[i]]
@@ -265,7 +269,7 @@ class CausalLM:
             hidden, x = self._add_norm(hidden, delta, layer.input_layernorm)
             if index in self.aux_layers:  # [T, E] the residual stream entering this layer, in place
                 self.features[self.aux_layers.index(index)].index_copy_(0, positions, hidden[0])
-            delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, chunks)
+            delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, chunks, start)
             hidden, x = self._add_norm(hidden, delta, layer.post_attention_layernorm)
             delta = self._mlp(layer.mlp, x)
         # every row, then the last ``num_out``: slices of the rows would be other shapes to compile
@@ -279,20 +283,23 @@ class CausalLM:
             return hidden, self.kernels.rms_norm(hidden, norm.weight)
         return self.kernels.add_rms_norm(hidden, delta, norm.weight)
 
-    def _attention(self, attn, x, index, positions, window, cos, sin, mask, chunks: int = 0) -> torch.Tensor:
+    def _attention(self, attn, x, index, positions, window, cos, sin, mask, chunks=0, start=None) -> torch.Tensor:
         num_new, heads, kv_heads, dim = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.weights.linear(x, attn, "qkv_weight")  # [1, T, (H + 2 H_kv) D]
-        v = qkv[..., (heads + kv_heads) * dim :].view(1, num_new, kv_heads, dim).transpose(1, 2)  # [1, H_kv, T, D]
         head_norms = self.head_norms.get(index)
-        if head_norms is not None:
-            q = head_norms[0](qkv[..., : heads * dim].view(1, num_new, heads, dim))  # [1, T, H, D]
-            k = head_norms[1](qkv[..., heads * dim : (heads + kv_heads) * dim].view(1, num_new, kv_heads, dim))
-            qk = torch.cat([q, k], dim=2)  # [1, T, H + H_kv, D]
+        if self.kernels.native and head_norms is None and start is not None:
+            q, keys, values = self.cache.write_rotating(index, qkv, cos, sin, heads, start, window)
         else:
-            qk = qkv[..., : (heads + kv_heads) * dim].view(1, num_new, heads + kv_heads, dim)  # [1, T, H + H_kv, D]
-        qk = self.kernels.rotate(qk.transpose(1, 2), cos, sin)  # [1, H + H_kv, T, D], q and k rotated together
-        q, k = qk[:, :heads], qk[:, heads:]  # [1, H, T, D], [1, H_kv, T, D]
-        keys, values = self.cache.write(index, positions, k, v, window)  # [1, H_kv, W, D]
+            v = qkv[..., (heads + kv_heads) * dim :].view(1, num_new, kv_heads, dim).transpose(1, 2)  # [1, H_kv, T, D]
+            if head_norms is not None:  # Qwen3 normalises each query and key head before rotary
+                q = head_norms[0](qkv[..., : heads * dim].view(1, num_new, heads, dim))  # [1, T, H, D]
+                k = head_norms[1](qkv[..., heads * dim : (heads + kv_heads) * dim].view(1, num_new, kv_heads, dim))
+                qk = torch.cat([q, k], dim=2)  # [1, T, H + H_kv, D]
+            else:
+                qk = qkv[..., : (heads + kv_heads) * dim].view(1, num_new, heads + kv_heads, dim)  # [1, T, H + H_kv, D]
+            qk = self.kernels.rotate(qk.transpose(1, 2), cos, sin)  # [1, H + H_kv, T, D], q and k rotated together
+            q, k = qk[:, :heads], qk[:, heads:]  # [1, H, T, D], [1, H_kv, T, D]
+            keys, values = self.cache.write(index, positions, k, v, window)  # [1, H_kv, W, D]
         # The G = H / H_kv query heads sharing a KV head attend as G*T queries of that head: no copies
         # of keys and values, and a plain attention kernel (with a mask) serves grouped-query models.
         grouped = q.reshape(1, kv_heads, (heads // kv_heads) * num_new, dim)  # [1, H_kv, G*T, D]

@@ -78,6 +78,8 @@ class GraphRunner:
             raise ConfigError(f"forward mode must be one of {MODES}, got {mode!r}")
         if mode == "cuda-graphs" and model.device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {model.device}")
+        if model.kernels.native:  # the compiler fuses the pointwise work itself; engine/csrc's ops are opaque to it
+            model.use_kernels(model.kernels.mode, backend, native=False)
         self.model = model
         self.mode = mode
         self.max_query = max_query

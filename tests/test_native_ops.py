@@ -1,7 +1,8 @@
 """engine/csrc's eager ops for a CPU float32 model (engine/kernels.py, engine/attention.py): the
 norms agree with float64 within float32 rounding, the rotation rounds exactly as torch's ops do,
 and the decode attention agrees with a float64 softmax on every instruction set this CPU runs, with
-masked positions taking no part. A CPU float32 model runs them (and agrees with torch's ops); a
+masked positions taking no part; the rotation fused with the cache write stores exactly what the
+two apart store. A CPU float32 model runs them (and agrees with torch's ops); a
 bfloat16 one, one asked not to (a forward a runner compiles) or one without the extension runs
 torch's. The chi-square and greedy suites run them too: their tiny targets are
 CPU float32 models."""
@@ -14,6 +15,7 @@ import torch
 from engine import blocks as blocks_module
 from engine import kernels
 from engine.blocks import kernel_isa
+from engine.kv import KVCache
 from tests.tiny import tiny_engine, tiny_llama
 
 ISAS = list(range(kernel_isa() + 1))  # every instruction set this CPU runs, the portable reference first
@@ -43,6 +45,27 @@ def test_the_rotation_rounds_exactly_as_torchs_ops_on_a_strided_view():
     assert torch.equal(OPS.rotate(qk, cos, sin), kernels.rotate(qk, cos, sin))
 
 
+def test_the_fused_rotation_writes_the_cache_exactly_as_rotation_then_write():
+    torch.manual_seed(4)
+    heads, kv_heads, dim, start, count = 6, 2, 32, 7, 3
+    qkv = torch.randn(1, count, (heads + 2 * kv_heads) * dim)
+    cos, sin = torch.randn(count, dim), torch.randn(count, dim)
+    fused, separate = (
+        KVCache(2, kv_heads, dim, 16, torch.float32, "cpu"),
+        KVCache(2, kv_heads, dim, 16, torch.float32, "cpu"),
+    )
+    q, keys, values = fused.write_rotating(1, qkv, cos, sin, heads, start, start + count)
+    by_head = qkv.view(1, count, heads + 2 * kv_heads, dim).transpose(1, 2)  # [1, heads, T, D]
+    rotated = kernels.rotate(by_head[:, : heads + kv_heads], cos, sin)
+    positions = torch.arange(start, start + count)
+    expected_keys, expected_values = separate.write(
+        1, positions, rotated[:, heads:], by_head[:, heads + kv_heads :], start + count
+    )
+    assert torch.equal(q, rotated[:, :heads])
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    assert torch.equal(fused.keys, separate.keys) and torch.equal(fused.values, separate.values)  # nothing else written
+
+
 def reference_attention(query, keys, values, mask, scale):
     """In float64: query [1, H, Q, D] over keys/values [1, H, W, D], mask [Q, W] (True: attend)."""
     scores = (query.double() @ keys.double().transpose(-1, -2)) * scale  # [1, H, Q, W]
@@ -52,7 +75,9 @@ def reference_attention(query, keys, values, mask, scale):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize(("rows", "window", "dim"), [(1, 1, 64), (3, 15, 64), (15, 17, 64), (6, 300, 128), (51, 40, 16)])
+@pytest.mark.parametrize(
+    ("rows", "window", "dim"), [(1, 1, 64), (3, 15, 64), (15, 17, 64), (6, 300, 128), (51, 40, 16)]
+)
 def test_the_decode_attention_agrees_with_a_float64_softmax(isa, rows, window, dim):
     torch.manual_seed(rows + window)
     cache = torch.randn(2, 3, 400, dim)  # keys and values of 3 KV heads: the op reads views of a cache

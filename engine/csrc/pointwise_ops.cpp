@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -85,13 +86,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, cons
   return {total, out};
 }
 
+// one head's row of D values, halves rotated as Llama's: x * cos + rotate_half(x) * sin
+inline void rotate_row(const float* x, const float* cos, const float* sin, float* dest, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) dest[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+  for (int64_t i = half; i < dim; ++i) dest[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
 // x [B, H, T, D] (any strides, D contiguous), cos and sin [T, D] -> x * cos + rotate_half(x) * sin, contiguous
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_float(x, "x");
   check_float(cos, "cos");
   check_float(sin, "sin");
   TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0, "x must be [B, H, T, D] with D contiguous");
-  const int64_t batch = x.size(0), heads = x.size(1), length = x.size(2), dim = x.size(3), half = dim / 2;
+  const int64_t batch = x.size(0), heads = x.size(1), length = x.size(2), dim = x.size(3);
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == length && cos.size(1) == dim,
               "cos and sin must be [T, D]");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
@@ -103,14 +111,54 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   at::parallel_for(0, batch * heads * length, grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t t = index % length, h = (index / length) % heads, b = index / (length * heads);
-      const float* in = xs + b * sb + h * sh + t * st;
-      const float *ct = cs + t * dim, *st_ = ss + t * dim;
-      float* dest = os + index * dim;
-      for (int64_t i = 0; i < half; ++i) dest[i] = in[i] * ct[i] + (-in[i + half]) * st_[i];
-      for (int64_t i = half; i < dim; ++i) dest[i] = in[i] * ct[i] + in[i - half] * st_[i];
+      rotate_row(xs + b * sb + h * sh + t * st, cs + t * dim, ss + t * dim, os + index * dim, dim);
     }
   });
   return out;
+}
+
+// One layer's new tokens into its cache: qkv [1, T, (H + 2 H_kv) D] (the fused product's output:
+// q's heads, k's, v's) with cos and sin [T, D] of their positions -> q rotated [1, H, T, D]; k
+// rotated and v written to keys and values [1, H_kv, S, D] (views of the cache, D contiguous) at
+// positions [start, start + T). The rotation rounds as rotate's; the copies are exact.
+at::Tensor rotate_into_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
+                             at::Tensor& values, int64_t heads, int64_t start) {
+  check_float(qkv, "qkv");
+  check_float(keys, "keys");
+  check_float(values, "values");
+  check_float(cos, "cos");
+  check_float(sin, "sin");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.stride(3) == 1 && values.stride(3) == 1,
+              "keys and values must be [1, H_kv, S, D] with D contiguous");
+  const int64_t kv_heads = keys.size(1), dim = keys.size(3), length = qkv.size(1);
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(0) == 1 && qkv.size(2) == (heads + 2 * kv_heads) * dim && dim % 2 == 0,
+              "qkv must be [1, T, (heads + 2 kv_heads) D]");
+  TORCH_CHECK(start >= 0 && start + length <= keys.size(2), "positions past the cache");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == length && cos.size(1) == dim,
+              "cos and sin must be [T, D]");
+  const at::Tensor input = qkv.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor q = at::empty({1, heads, length, dim}, qkv.options());
+  const float *in = input.data_ptr<float>(), *cs = c.data_ptr<float>(), *ss = s.data_ptr<float>();
+  float *qs = q.data_ptr<float>(), *ks = keys.data_ptr<float>(), *vs = values.data_ptr<float>();
+  const int64_t width = (heads + 2 * kv_heads) * dim, kh = keys.stride(1), kt = keys.stride(2);
+  const int64_t vh = values.stride(1), vt = values.stride(2);
+  at::parallel_for(0, length * (heads + 2 * kv_heads), grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t t = index / (heads + 2 * kv_heads), head = index % (heads + 2 * kv_heads);
+      const float* x = in + t * width + head * dim;
+      float* dest;
+      if (head < heads) {
+        dest = qs + (head * length + t) * dim;
+      } else if (head < heads + kv_heads) {
+        dest = ks + (head - heads) * kh + (start + t) * kt;
+      } else {
+        std::memcpy(vs + (head - heads - kv_heads) * vh + (start + t) * vt, x, sizeof(float) * dim);
+        continue;
+      }
+      rotate_row(x, cs + t * dim, ss + t * dim, dest, dim);
+    }
+  });
+  return q;
 }
 
 // query [1, H_kv, Q, D] over keys and values [1, H_kv, W, D] (rows of D contiguous), mask [Q, W]
@@ -150,8 +198,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   auto run = isa == 2 ? specserve_blocks::avx512::attend
              : isa == 1 ? specserve_blocks::avx2::attend
                         : specserve_blocks::portable::attend;
-  // a short window is one task (threads cost more than it); a long one a task per (head, row)
-  const int64_t task_grain = window * dim * tasks < kGrainElements * 8 ? tasks : 1;
+  // a short window is one task (threads cost more than it); a longer one, whose keys and values come
+  // from memory (the weights a step reads evict them from the caches), a task per (head, row)
+  const int64_t task_grain = window * dim * tasks < kGrainElements ? tasks : 1;
   at::parallel_for(0, tasks, task_grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(window + kLanes[isa]);  // room for a vector's padding
     run(q, query.stride(1), query.stride(2), k, v, keys.stride(1), keys.stride(2), allowed, window, num_queries,
@@ -167,6 +216,8 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor residual, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotate(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("rotate_into_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int heads, "
+        "int start) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale, int isa=-1) -> Tensor");
 }
 
@@ -174,5 +225,6 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
   m.impl("rms_norm", specserve_pointwise::rms_norm);
   m.impl("add_rms_norm", specserve_pointwise::add_rms_norm);
   m.impl("rotate", specserve_pointwise::rotate);
+  m.impl("rotate_into_cache", specserve_pointwise::rotate_into_cache);
   m.impl("decode_attention", specserve_pointwise::decode_attention);
 }
