@@ -146,6 +146,16 @@ class BlockWeight:
         return torch.cat([decode(part, self.in_features, self.isa) for part in self.parts])
 
 
+def q8_blocks(weight: torch.Tensor, bias: torch.Tensor | None, isa: int) -> BlockWeight:
+    """``weight`` [O, I] (I a multiple of 32) quantized to Q8_0 blocks by the gguf package: about a
+    quarter of its float32 bytes. Not exact, so only for weights a draft multiplies by (its
+    proposals carry the q they were drawn from, whatever the weights)."""
+    import gguf
+
+    data = gguf.quants.quantize(weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)  # [O, row bytes]
+    return BlockWeight((BlockPart(torch.from_numpy(data), FORMATS["Q8_0"]),), weight.shape[1], bias, isa)
+
+
 def decode(part: BlockPart, in_features: int, isa: int) -> torch.Tensor:
     """``part``'s weights [O, I] in float32."""
     out = torch.empty(part.rows, in_features)

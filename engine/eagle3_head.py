@@ -23,6 +23,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .attention import attend
+from .blocks import BlockWeight, kernel_isa, q8_blocks
 from .errors import ConfigError
 from .kv import KVCache
 from .loader import locate
@@ -74,13 +75,39 @@ class Eagle3Head(nn.Module):
         self.register_buffer("cos", cos[0], persistent=False)  # [S, D]
         self.register_buffer("sin", sin[0], persistent=False)
         self.cache = KVCache(1, kv_heads, self.head_dim, target.max_len, target.dtype, target.device)
+        # its products by name, the linear layers stacked in each (one call for q, k, v; one for gate, up)
+        self.stacked = {
+            "fc": [self.fc],
+            "qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
+            "o": [attn.o_proj],
+            "gate_up": [mlp.gate_proj, mlp.up_proj],
+            "down": [mlp.down_proj],
+            "lm_head": [self.lm_head],
+        }
+        self.blocks: dict[str, BlockWeight] = {}  # products held as Q8_0 blocks (``finish``), by name
 
     def finish(self) -> Eagle3Head:
-        """After the weights load: the map from draft to target ids, on the target's device and dtype."""
+        """After the weights load: the map from draft to target ids, on the target's device and dtype;
+        beside a target whose kernels are native (CPU float32, engine/csrc built), the products as
+        Q8_0 blocks through the block kernels: a quarter of the bytes a step reads, which is what a
+        CPU step costs (the drafts stay exact: each carries the q it was drawn from)."""
         self.requires_grad_(False).eval()
         self.to(device=self.target.device, dtype=self.target.dtype)
         self.draft_to_target = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t  # [Vd]
+        if self.target.kernels.native and all(m.in_features % 32 == 0 for ms in self.stacked.values() for m in ms):
+            isa = kernel_isa()
+            for name, modules in self.stacked.items():
+                bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+                self.blocks[name] = q8_blocks(torch.cat([m.weight for m in modules]), bias, isa)
         return self
+
+    def product(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x [..., I] times the product ``name``'s stacked weights -> [..., O]: its blocks, else its layers."""
+        held = self.blocks.get(name)
+        if held is not None:
+            return held.linear(x)
+        modules = self.stacked[name]
+        return modules[0](x) if len(modules) == 1 else torch.cat([module(x) for module in modules], dim=-1)
 
     def describe(self) -> str:
         """'EAGLE-3 head SmolLM2-135M-Instruct (9.8M params, draft vocabulary 8192, features of layers 2, 15, 27)'"""
@@ -88,12 +115,12 @@ class Eagle3Head(nn.Module):
         layers = ", ".join(map(str, self.aux_layers))
         return (
             f"EAGLE-3 head {self.name} ({params / 1e6:.1f}M params, draft vocabulary {self.lm_head.out_features}, "
-            f"features of layers {layers})"
+            f"features of layers {layers}{'; Q8_0 products' if self.blocks else ''})"
         )
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [T, A*E] -> the head's [T, H]."""
-        return self.fc(features)
+        return self.product("fc", features)
 
     def step(self, token_ids: list[int] | torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [T] with features [T, H] at the next T positions of the head's cache -> (logits
@@ -102,14 +129,15 @@ class Eagle3Head(nn.Module):
         ids = token_ids if isinstance(token_ids, torch.Tensor) else upload(token_ids, self.fc.weight.device)
         count, start = ids.shape[0], self.cache.length
         positions = self.target.positions[start : start + count]  # [T]
-        layer, attn, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
+        layer = self.midlayer
         embedded = self._norm(layer.input_layernorm, self.target.embed(ids))  # [T, H]
         normed = self._norm(layer.hidden_norm, features)  # [T, H]
         residual = normed if self.norm_before_residual else features
         x = torch.cat([embedded, normed], dim=-1)[None]  # [1, T, 2H]
-        q = attn.q_proj(x).view(1, count, self.num_heads, self.head_dim).transpose(1, 2)  # [1, Hq, T, D]
-        k = attn.k_proj(x).view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
-        v = attn.v_proj(x).view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        qkv = self.product("qkv", x).view(1, count, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q = qkv[:, :, : self.num_heads].transpose(1, 2)  # [1, Hq, T, D]
+        k = qkv[:, :, self.num_heads : self.num_heads + self.num_kv_heads].transpose(1, 2)  # [1, Hkv, T, D]
+        v = qkv[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
         cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)  # [T, D]
         turn = torch.ops.specserve.rotate.default if self.target.kernels.native else rotate
         q, k = turn(q, cos, sin), turn(k, cos, sin)
@@ -123,10 +151,10 @@ class Eagle3Head(nn.Module):
         scale = self.head_dim**-0.5
         out = attend(grouped, keys, values, mask, scale, 0, self.target.kernels.native)  # [1, Hkv, G*T, D]
         out = out.reshape(1, self.num_heads, count, self.head_dim)  # [1, Hq, T, D]
-        hidden = attn.o_proj(out.transpose(1, 2).reshape(1, count, -1))[0] + residual  # [T, H]
-        normed = self._norm(layer.post_attention_layernorm, hidden)
-        hidden = mlp.down_proj(F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed)) + hidden  # [T, H] pre-norm
-        draft_logits = self.lm_head(self._norm(self.norm, hidden[-1:]))  # [1, Vd]
+        hidden = self.product("o", out.transpose(1, 2).reshape(1, count, -1))[0] + residual  # [T, H]
+        gate, up = self.product("gate_up", self._norm(layer.post_attention_layernorm, hidden)).chunk(2, dim=-1)
+        hidden = self.product("down", F.silu(gate) * up) + hidden  # [T, H] pre-norm
+        draft_logits = self.product("lm_head", self._norm(self.norm, hidden[-1:]))  # [1, Vd]
         logits = draft_logits.new_full((1, self.vocab_size), float("-inf"))  # [1, V]
         logits[:, self.draft_to_target] = draft_logits
         return logits, hidden[-1:]

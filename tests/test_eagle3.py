@@ -148,3 +148,26 @@ def test_a_served_head_is_named_at_start_up_in_models_usage_and_metrics(tiny_mod
         stop_server(server)
     startup = next(line for line in log.read_text().splitlines() if "ready: serving" in line)
     assert "eagle3: EAGLE-3 head" in startup and "params, draft vocabulary" in startup
+
+
+def test_beside_a_cpu_float32_target_the_head_multiplies_q8_0_blocks():
+    """Its products are Q8_0 blocks of its weights (a quarter of the bytes a step reads): its logits
+    stay within Q8_0's rounding of the float32 head's, and the greedy output is still the target's."""
+    target_hf = tiny_llama(seed=3, vocab_size=96, layers=4, init=0.2)
+    engine = eagle_engine(target_hf, random_eagle3_head(target_hf, (0, 1, 3), seed=1, scale=2.0))
+    head = engine.drafter("eagle3").head
+    assert set(head.blocks) == {"fc", "qkv", "o", "gate_up", "down", "lm_head"}
+    assert "Q8_0 products" in head.describe()
+    features = torch.randn(5, head.fc.in_features)
+    quantized, _ = head.step([1, 2, 3, 4, 5], head.fuse(features))  # [1, V]
+    head.cache.rollback(0)
+    held, head.blocks = head.blocks, {}
+    exact, _ = head.step([1, 2, 3, 4, 5], head.fuse(features))
+    head.cache.rollback(0)
+    head.blocks = held
+    inside = torch.isfinite(exact)
+    assert torch.equal(inside, torch.isfinite(quantized)) and not torch.equal(quantized, exact)
+    assert torch.allclose(quantized[inside], exact[inside], rtol=0.05, atol=0.05 * float(exact[inside].abs().max()))
+    prompt = [5, 6, 7, 8]
+    outputs = list(engine.generate(Request("g", prompt, SamplingParams(max_tokens=16, temperature=0.0))))
+    assert [t for o in outputs for t in o.token_ids] == greedy_reference(target_hf, prompt, 16)
