@@ -16,6 +16,11 @@ import torch.nn.functional as F
 NATIVE_QUERY_ROWS = 64  # the most query rows per KV head (grouped heads times new tokens) the kernel takes
 
 
+def native_attention(rows: int, dim: int) -> bool:
+    """Whether engine/csrc's kernel takes ``rows`` query rows per KV head of head size ``dim``."""
+    return rows <= NATIVE_QUERY_ROWS and dim % 4 == 0 and dim <= 256
+
+
 def attend(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -28,8 +33,7 @@ def attend(
     """query [1, H_kv, Q, D] over keys and values [1, H_kv, W, D] (mask [Q, W], True: attend; None:
     all) -> [1, H_kv, Q, D]: one SDPA call, ``split_attention`` in ``chunks`` chunks, or (``native``,
     a few rows of a head size the kernel takes) engine/csrc's kernel."""
-    _, _, rows, dim = query.shape
-    if native and not chunks and rows <= NATIVE_QUERY_ROWS and dim % 4 == 0 and dim <= 256:
+    if native and not chunks and native_attention(query.shape[2], query.shape[3]):
         return torch.ops.specserve.decode_attention.default(query, keys, values, mask, scale)
     if chunks:
         return split_attention(query, keys, values, mask, scale, chunks)

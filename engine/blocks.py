@@ -146,6 +146,26 @@ class BlockWeight:
         return torch.cat([decode(part, self.in_features, self.isa) for part in self.parts])
 
 
+def layer_blocks(prepared: dict, products: list | None) -> tuple | None:
+    """A decoder layer's products (q/k/v, o, gate/up, down, as (module, weight name)) as the
+    arguments specserve::decode_layer takes for them, where each is held as one part of GGUF blocks
+    (``prepared``: what ProductWeights holds) and only q/k/v has a bias; else None."""
+    if products is None:
+        return None
+    held = [prepared.get((id(module), name)) for module, name in products]
+    if not all(isinstance(weight, BlockWeight) and len(weight.parts) == 1 for weight in held):
+        return None
+    qkv, o, gate_up, down = held
+    if any(weight.bias is not None for weight in (o, gate_up, down)):
+        return None
+    parts = [weight.parts[0] for weight in held]
+    return (
+        *(parts[0].blocks, parts[0].format, qkv.bias),
+        *(value for part in parts[1:] for value in (part.blocks, part.format)),
+        qkv.isa,
+    )
+
+
 def q8_blocks(weight: torch.Tensor, bias: torch.Tensor | None, isa: int) -> BlockWeight:
     """``weight`` [O, I] (I a multiple of 32) quantized to Q8_0 blocks by the gguf package: about a
     quarter of its float32 bytes. Not exact, so only for weights a draft multiplies by (its

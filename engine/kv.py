@@ -98,6 +98,11 @@ class KVCache:
         self.values[layer].index_copy_(2, positions, values)
         return self.keys[layer, :, :, :window], self.values[layer, :, :, :window]
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values [1, H_kv, S, D], for an op that writes them itself
+        (specserve::decode_layer, as ``write_rotating`` does)."""
+        return self.keys[layer], self.values[layer]
+
     def write_rotating(
         self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, start: int, window: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,6 +110,6 @@ class KVCache:
         layer's qkv [1, T, (H + 2 H_kv) D] at positions [start, start + T) with cos/sin [T, D] ->
         (q rotated [1, H, T, D], and [1, H_kv, window, D] views of keys and values), k rotated and v
         stored. It rounds as the rotation and ``write`` do apart."""
-        keys, values = self.keys[layer], self.values[layer]  # [1, H_kv, S, D]
+        keys, values = self.layer(layer)  # [1, H_kv, S, D]
         q = torch.ops.specserve.rotate_into_cache.default(qkv, cos, sin, keys, values, heads, start)
         return q, keys[:, :, :window], values[:, :, :window]

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .attention import attend
-from .blocks import native_ops_available
+from .attention import attend, native_attention
+from .blocks import DIRECT_ROWS, layer_blocks, native_ops_available
 from .errors import ConfigError
 from .kernels import Pointwise
 from .kv import KVCache
@@ -92,6 +92,13 @@ class CausalLM:
         self.activation = self.layers[0].mlp.act_fn
         self.kernels = Pointwise.eager(self.norm_eps, self.activation, self._native_kernels())
         self.weights = ProductWeights(self._products(), self.embed.weight)
+        # per layer, its products as (module, weight name): q/k/v, o, gate/up, down; none where the
+        # fused layer (specserve::decode_layer) does not apply (Qwen3's head norms, another activation)
+        silu, products = getattr(config, "hidden_act", None) in ("silu", "swish"), self._products()
+        self._layer_products = [
+            products[1 + 4 * i : 5 + 4 * i] if silu and i not in self.head_norms else None
+            for i in range(len(self.layers))
+        ]
 
     @property
     def weight_bytes(self) -> int:
@@ -264,14 +271,28 @@ class CausalLM:
             mask = mask.repeat(self.num_heads // self.num_kv_heads, 1)  # [G*T, W], queries grouped by KV head
         hidden = self.embed(input_ids)[None]  # [1, T, E]
         delta = None  # [1, T, E] what the last block adds to ``hidden``, not yet added
+        num_new, group = input_ids.shape[0], self.num_heads // self.num_kv_heads
+        fusable = self.kernels.native and start is not None and not chunks and num_new <= DIRECT_ROWS
+        fusable = fusable and native_attention(num_new * group, self.head_dim)  # as the layer op by op would
         for index in layers:
             layer = self.layers[index]
-            hidden, x = self._add_norm(hidden, delta, layer.input_layernorm)
+            # a layer whose products are all GGUF blocks, at decode or verify: one call (the same values)
+            blocks = layer_blocks(self.weights.prepared, self._layer_products[index]) if fusable else None
+            if blocks is not None:
+                keys, values = self.cache.layer(index)
+                entering, hidden, delta = torch.ops.specserve.decode_layer.default(
+                    hidden, delta, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, self.norm_eps,
+                    *blocks, cos, sin, keys, values, self.num_heads, start, mask, self.scaling
+                )  # fmt: skip
+            else:
+                hidden, x = self._add_norm(hidden, delta, layer.input_layernorm)
+                entering = hidden
             if index in self.aux_layers:  # [T, E] the residual stream entering this layer, in place
-                self.features[self.aux_layers.index(index)].index_copy_(0, positions, hidden[0])
-            delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, chunks, start)
-            hidden, x = self._add_norm(hidden, delta, layer.post_attention_layernorm)
-            delta = self._mlp(layer.mlp, x)
+                self.features[self.aux_layers.index(index)].index_copy_(0, positions, entering[0])
+            if blocks is None:
+                delta = self._attention(layer.self_attn, x, index, positions, window, cos, sin, mask, chunks, start)
+                hidden, x = self._add_norm(hidden, delta, layer.post_attention_layernorm)
+                delta = self._mlp(layer.mlp, x)
         # every row, then the last ``num_out``: slices of the rows would be other shapes to compile
         return self._add_norm(hidden, delta, self.norm)[1][0, hidden.shape[1] - num_out :]  # [N, E]
 

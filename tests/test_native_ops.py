@@ -2,7 +2,7 @@
 norms agree with float64 within float32 rounding, the rotation rounds exactly as torch's ops do,
 and the decode attention agrees with a float64 softmax on every instruction set this CPU runs, with
 masked positions taking no part; the rotation fused with the cache write stores exactly what the
-two apart store. A CPU float32 model runs them (and agrees with torch's ops); a
+two apart store; a whole layer in one op gives the op-by-op values bit for bit. A CPU float32 model runs them (and agrees with torch's ops); a
 bfloat16 one, one asked not to (a forward a runner compiles) or one without the extension runs
 torch's. The chi-square and greedy suites run them too: their tiny targets are
 CPU float32 models."""
@@ -14,9 +14,10 @@ import torch
 
 from engine import blocks as blocks_module
 from engine import kernels
-from engine.blocks import kernel_isa
+from engine.blocks import kernel_isa, layer_blocks, offer_blocks
 from engine.kv import KVCache
-from tests.tiny import tiny_engine, tiny_llama
+from engine.matmul import BLOCKS, MatmulPlan
+from tests.tiny import quantize_in_place, tiny_engine, tiny_llama
 
 ISAS = list(range(kernel_isa() + 1))  # every instruction set this CPU runs, the portable reference first
 U = 2.0**-24  # float32's unit roundoff
@@ -126,3 +127,35 @@ def test_a_cpu_float32_model_runs_them_where_it_can(monkeypatch):
 
     monkeypatch.setattr(blocks_module, "kernel_isa", missing)
     assert not tiny_engine(tiny_llama(seed=3, vocab_size=64), None).target.kernels.native
+
+
+def blocks_model(fused: bool):
+    """A tiny CPU float32 target quantized in place, every product through its GGUF blocks;
+    ``fused``: its layers run as specserve::decode_layer at decode and verify, else op by op."""
+    target = tiny_llama(seed=5, vocab_size=64, layers=3)
+    file = quantize_in_place(target, formats=("Q4_1",))  # q, k and v of one format: one part
+    model = tiny_engine(target, None).target
+    offer_blocks(model, file)
+    model.weights.use_plan(MatmulPlan.uniform(BLOCKS, 6, model.weights.linear_weights()))
+    if not fused:
+        model._layer_products = [None] * len(model.layers)
+    model.keep_features((0, 2))
+    return model
+
+
+def test_a_fused_layer_gives_the_op_by_op_values_bit_for_bit():
+    fused, apart = blocks_model(True), blocks_model(False)
+    assert layer_blocks(fused.weights.prepared, fused._layer_products[0]) is not None
+    steps = [list(range(1, 30)), [7], [8, 9, 10, 11, 12], [13]]  # a prompt (op by op in both), decode, verify
+    for tokens in steps:
+        assert torch.equal(fused.extend(tokens, num_logits=len(tokens)), apart.extend(tokens, num_logits=len(tokens)))
+    fused.cache.rollback(31)  # a rejected verify's tail, then a decode over it
+    apart.cache.rollback(31)
+    assert torch.equal(fused.extend([40]), apart.extend([40]))
+    length = fused.cache.length
+    assert torch.equal(fused.cache.keys[:, :, :, :length], apart.cache.keys[:, :, :, :length])
+    assert torch.equal(fused.cache.values[:, :, :, :length], apart.cache.values[:, :, :, :length])
+    assert torch.equal(fused.feature_rows(0, length), apart.feature_rows(0, length))
+    with torch.profiler.profile() as profile:  # and the fused model did run its layers as one op each
+        fused.extend([41])
+    assert sum(e.count for e in profile.key_averages() if e.key == "specserve::decode_layer") == len(fused.layers)

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "blocks.h"
+#include "ops.h"
 
 namespace specserve_blocks {
 namespace {
@@ -37,6 +38,22 @@ void check(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_
 // at least 8 output rows per task, and about as many tasks as threads
 int64_t grain(int64_t rows) { return std::max<int64_t>(8, rows / (4 * at::get_num_threads())); }
 
+void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa, at::Tensor& out) {
+  check(blocks, format, in_features, isa);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == blocks.size(0) && out.size(1) == in_features,
+              "out must be float32 [O, in_features] with contiguous rows");
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* os = out.data_ptr<float>();
+  const int64_t row_bytes = blocks.stride(0), o_stride = out.stride(0);
+  at::parallel_for(0, blocks.size(0), grain(blocks.size(0)), [&](int64_t begin, int64_t end) {
+    auto run = isa == 2 ? avx512::decode : isa == 1 ? avx2::decode : portable::decode;
+    run(static_cast<int>(format), w, row_bytes, in_features, begin, end, os, o_stride);
+  });
+}
+
+}  // namespace
+
 void blocks_times(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa,
                   at::Tensor& out) {
   check(blocks, format, in_features, isa);
@@ -54,22 +71,6 @@ void blocks_times(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
     run(static_cast<int>(format), w, row_bytes, in_features, begin, end, xs, num_rows, x_stride, os, o_stride);
   });
 }
-
-void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa, at::Tensor& out) {
-  check(blocks, format, in_features, isa);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
-                  out.size(0) == blocks.size(0) && out.size(1) == in_features,
-              "out must be float32 [O, in_features] with contiguous rows");
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  float* os = out.data_ptr<float>();
-  const int64_t row_bytes = blocks.stride(0), o_stride = out.stride(0);
-  at::parallel_for(0, blocks.size(0), grain(blocks.size(0)), [&](int64_t begin, int64_t end) {
-    auto run = isa == 2 ? avx512::decode : isa == 1 ? avx2::decode : portable::decode;
-    run(static_cast<int>(format), w, row_bytes, in_features, begin, end, os, o_stride);
-  });
-}
-
-}  // namespace
 
 int64_t best_isa() { return has_isa(2) ? 2 : has_isa(1) ? 1 : 0; }
 

@@ -1,8 +1,9 @@
-// The pointwise work between a layer's products, one op each where eager torch launches several:
-// specserve::rms_norm, specserve::add_rms_norm and specserve::rotate, for float32 CPU tensors
-// (engine/kernels.py uses them for a CPU float32 model). At a decode step each reads and writes a
-// few KB, so what they save is the launches (a norm is about eight), not arithmetic. The MLP's gate
-// stays torch's: its vectorised exp is as fast as one op of ours.
+// The eager forward of a CPU float32 model around its products, one op where torch launches several
+// (engine/kernels.py, engine/attention.py, engine/kv.py use them): specserve::rms_norm,
+// add_rms_norm, rotate, rotate_into_cache and decode_attention; and specserve::decode_layer, a whole
+// decoder layer of a decode or verify step whose products are all GGUF blocks, in one call. At a
+// decode step each reads and writes a few KB, so what they save is the launches (a norm is about
+// eight, a layer about forty), not arithmetic. The MLP's gate stays torch's silu and mul.
 //
 // rotate rounds as the eager ops do: no contraction into fused multiply-adds (the
 // pragma below), so a*b + c*d is two rounded products and a rounded sum, as torch's mul, mul and
@@ -13,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -23,6 +26,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "ops.h"
 
 namespace specserve_pointwise {
 namespace {
@@ -209,6 +213,53 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   return out;
 }
 
+// One decoder layer of a decode or verify step at positions [start, start + T), its four products
+// (q/k/v, o, gate/up, down) all GGUF blocks: CausalLM._body's native path for one layer, in one call.
+// hidden [1, T, E] and delta (what the last block adds, none before the first layer) -> (the
+// residual stream entering the layer, after its attention, and its MLP's output). The same
+// kernels in the same order as the ops one by one, so the same values bit for bit.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_blocks, int64_t qkv_format,
+    const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_blocks, int64_t o_format,
+    const at::Tensor& gate_up_blocks, int64_t gate_up_format, const at::Tensor& down_blocks, int64_t down_format,
+    int64_t isa, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys, at::Tensor& values, int64_t heads,
+    int64_t start, const std::optional<at::Tensor>& mask, double scale) {
+  check_float(hidden, "hidden");
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "hidden must be [1, T, E]");
+  const int64_t length = hidden.size(1), width = hidden.size(2), kv_heads = keys.size(1), dim = keys.size(3);
+  const int64_t inner = gate_up_blocks.size(0) / 2;
+  at::Tensor entering, x;
+  if (delta.has_value()) {
+    std::tie(entering, x) = add_rms_norm(hidden, *delta, input_norm, eps);
+  } else {
+    entering = hidden;
+    x = rms_norm(hidden, input_norm, eps);
+  }
+  at::Tensor qkv = at::empty({1, length, qkv_blocks.size(0)}, hidden.options());  // [1, T, (H + 2 H_kv) D]
+  at::Tensor qkv_rows = qkv.view({length, qkv_blocks.size(0)});
+  specserve_blocks::blocks_times(x.view({length, width}), qkv_blocks, qkv_format, width, isa, qkv_rows);
+  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
+  const at::Tensor q = rotate_into_cache(qkv, cos, sin, keys, values, heads, start);  // [1, H, T, D]
+  const int64_t window = start + length;
+  const at::Tensor grouped = q.view({1, kv_heads, heads / kv_heads * length, dim});  // [1, H_kv, G*T, D]
+  const at::Tensor attended = decode_attention(grouped, keys.narrow(2, 0, window), values.narrow(2, 0, window), mask,
+                                               scale, -1);  // [1, H_kv, G*T, D]
+  const at::Tensor rows = attended.view({1, heads, length, dim}).transpose(1, 2).reshape({length, heads * dim});
+  at::Tensor attention_out = at::empty({1, length, width}, hidden.options());  // [1, T, E]
+  at::Tensor attention_rows = attention_out.view({length, width});
+  specserve_blocks::blocks_times(rows, o_blocks, o_format, heads * dim, isa, attention_rows);
+  auto [after, x_mlp] = add_rms_norm(entering, attention_out, post_norm, eps);
+  at::Tensor gate_up = at::empty({1, length, 2 * inner}, hidden.options());  // [1, T, 2I]
+  at::Tensor gate_up_rows = gate_up.view({length, 2 * inner});
+  specserve_blocks::blocks_times(x_mlp.view({length, width}), gate_up_blocks, gate_up_format, width, isa, gate_up_rows);
+  const at::Tensor gated = at::mul(at::silu(gate_up.narrow(-1, 0, inner)), gate_up.narrow(-1, inner, inner));  // [1, T, I]
+  at::Tensor mlp_out = at::empty({1, length, width}, hidden.options());
+  at::Tensor mlp_rows = mlp_out.view({length, width});
+  specserve_blocks::blocks_times(gated.view({length, inner}), down_blocks, down_format, inner, isa, mlp_rows);
+  return {entering, after, mlp_out};
+}
+
 }  // namespace
 }  // namespace specserve_pointwise
 
@@ -218,6 +269,11 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("rotate(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("rotate_into_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int heads, "
         "int start) -> Tensor");
+  m.def(
+      "decode_layer(Tensor hidden, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_blocks, "
+      "int qkv_format, Tensor? qkv_bias, Tensor o_blocks, int o_format, Tensor gate_up_blocks, int gate_up_format, "
+      "Tensor down_blocks, int down_format, int isa, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
+      "int heads, int start, Tensor? mask, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale, int isa=-1) -> Tensor");
 }
 
@@ -227,4 +283,5 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
   m.impl("rotate", specserve_pointwise::rotate);
   m.impl("rotate_into_cache", specserve_pointwise::rotate_into_cache);
   m.impl("decode_attention", specserve_pointwise::decode_attention);
+  m.impl("decode_layer", specserve_pointwise::decode_layer);
 }
