@@ -30,7 +30,12 @@ def extension_options() -> dict:
         [f"engine/csrc/{name}" for name in SOURCES],
         extra_compile_args=["-O3", "-fno-math-errno", "-Wno-psabi", "-fopenmp"],
         extra_link_args=["-fopenmp"],
-        depends=["engine/csrc/blocks.h", "engine/csrc/blocks_kernel.h", "engine/csrc/attention_kernel.h", "engine/csrc/ops.h"],
+        depends=[
+            "engine/csrc/blocks.h",
+            "engine/csrc/blocks_kernel.h",
+            "engine/csrc/attention_kernel.h",
+            "engine/csrc/ops.h",
+        ],
         py_limited_api=False,
     )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": OptionalBuild.with_options(use_ninja=False)}}
