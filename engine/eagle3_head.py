@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from .attention import attend
 from .blocks import BlockWeight, kernel_isa, q8_blocks
 from .errors import ConfigError
+from .kernels import rotate
 from .kv import KVCache
 from .loader import locate
 from .model import CausalLM, upload
@@ -165,13 +166,6 @@ class Eagle3Head(nn.Module):
         if self.target.kernels.native and x.dtype == torch.float32:
             return torch.ops.specserve.rms_norm.default(x, norm.weight, norm.variance_epsilon)
         return norm(x)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [1, heads, T, D] at cos / sin [T, D] (halves rotated, as Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def read_config(folder: Path) -> tuple[dict, tuple[int, ...] | None, bool]:

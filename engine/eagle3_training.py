@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 
 from .config import Eagle3Training as TrainSettings
 from .eagle3_data import collect_features, draft_vocabulary, load_prompts, make_batch, regenerate, windows
-from .eagle3_head import Eagle3Head, default_aux_layers, rotate, save_head, shipped_head
+from .eagle3_head import Eagle3Head, default_aux_layers, save_head, shipped_head
+from .kernels import rotate
 from .model import CausalLM
 
 log = logging.getLogger(__name__)
