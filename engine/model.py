@@ -94,10 +94,9 @@ class CausalLM:
         self.weights = ProductWeights(self._products(), self.embed.weight)
         # per layer, its products as (module, weight name): q/k/v, o, gate/up, down; none where the
         # fused layer (specserve::decode_layer) does not apply (Qwen3's head norms, another activation)
-        silu, products = getattr(config, "hidden_act", None) in ("silu", "swish"), self._products()
+        silu = getattr(config, "hidden_act", None) in ("silu", "swish")
         self._layer_products = [
-            products[1 + 4 * i : 5 + 4 * i] if silu and i not in self.head_norms else None
-            for i in range(len(self.layers))
+            layer_products(layer) if silu and i not in self.head_norms else None for i, layer in enumerate(self.layers)
         ]
 
     @property
@@ -195,13 +194,8 @@ class CausalLM:
         return self.weights.linear(hidden, self.lm_head, "weight")
 
     def _products(self) -> list[tuple[nn.Module, str]]:
-        """Every product a forward makes, as (module, weight attribute): the LM head, and per layer
-        q/k/v as one, o, gate/up as one, down."""
-        found = [(self.lm_head, "weight")]
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            found += [(attn, "qkv_weight"), (attn.o_proj, "weight"), (mlp, "gate_up_weight"), (mlp.down_proj, "weight")]
-        return found
+        """Every product a forward makes, as (module, weight attribute): the LM head, then each layer's."""
+        return [(self.lm_head, "weight")] + [product for layer in self.layers for product in layer_products(layer)]
 
     def _input(self, token_ids: list[int] | torch.Tensor, start: int) -> torch.Tensor:
         num_new = len(token_ids) if isinstance(token_ids, list) else token_ids.shape[0]
@@ -334,6 +328,12 @@ class CausalLM:
         # MLP weight with ``F.linear`` took a slow BLAS path)
         gated = self.kernels.gate(self.weights.linear(x, mlp, "gate_up_weight"))  # [1, T, 2I] -> [1, T, I]
         return self.weights.linear(gated, mlp.down_proj, "weight")  # [1, T, E]
+
+
+def layer_products(layer: nn.Module) -> list[tuple[nn.Module, str]]:
+    """A decoder layer's products as (module, weight attribute): q/k/v as one, o, gate/up as one, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [(attn, "qkv_weight"), (attn.o_proj, "weight"), (mlp, "gate_up_weight"), (mlp.down_proj, "weight")]
 
 
 def upload(token_ids: list[int], device: torch.device) -> torch.Tensor:
