@@ -28,7 +28,7 @@
 #include "blocks.h"
 #include "ops.h"
 
-namespace specserve_pointwise {
+namespace specserve_forward {
 namespace {
 
 constexpr int64_t kGrainElements = 1 << 15;  // rows per task: about this many elements (small inputs run inline)
@@ -261,7 +261,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
 }
 
 }  // namespace
-}  // namespace specserve_pointwise
+}  // namespace specserve_forward
 
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -278,10 +278,10 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
-  m.impl("rms_norm", specserve_pointwise::rms_norm);
-  m.impl("add_rms_norm", specserve_pointwise::add_rms_norm);
-  m.impl("rotate", specserve_pointwise::rotate);
-  m.impl("rotate_into_cache", specserve_pointwise::rotate_into_cache);
-  m.impl("decode_attention", specserve_pointwise::decode_attention);
-  m.impl("decode_layer", specserve_pointwise::decode_layer);
+  m.impl("rms_norm", specserve_forward::rms_norm);
+  m.impl("add_rms_norm", specserve_forward::add_rms_norm);
+  m.impl("rotate", specserve_forward::rotate);
+  m.impl("rotate_into_cache", specserve_forward::rotate_into_cache);
+  m.impl("decode_attention", specserve_forward::decode_attention);
+  m.impl("decode_layer", specserve_forward::decode_layer);
 }
