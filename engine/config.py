@@ -161,14 +161,26 @@ class Eagle3Training:
     window: int = _help(512, "positions of one conversation the head sees at once")
     max_new_tokens: int = _help(320, "the longest answer the target writes per turn")
     generate_batch: int = _help(32, "conversations the target answers together")
+    samples: int = _help(1, "answers per prompt: the first greedy, the others sampled at --temperature")
+    temperature: float = _help(0.8, "the temperature of the sampled answers")
     limit: int | None = _help(None, "only the first N prompts of the set")
     seed: int = _help(0, "seeds initialisation and batch order")
 
     def __post_init__(self) -> None:
-        for name in ("draft_vocab", "ttt_steps", "batch_tokens", "window", "max_new_tokens", "generate_batch"):
+        for name in (
+            "draft_vocab",
+            "ttt_steps",
+            "batch_tokens",
+            "window",
+            "max_new_tokens",
+            "generate_batch",
+            "samples",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.epochs <= 0 or self.lr <= 0:
-            raise ConfigError(f"epochs and lr must be positive, got {self.epochs} and {self.lr}")
+        if self.epochs <= 0 or self.lr <= 0 or self.temperature <= 0:
+            raise ConfigError(
+                f"epochs, lr and temperature must be positive, got {self.epochs}, {self.lr} and {self.temperature}"
+            )
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be at least 1, got {self.limit}")

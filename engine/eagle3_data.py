@@ -24,41 +24,50 @@ def load_prompts(path: Path = PROMPTS, limit: int | None = None) -> list[dict]:
 
 @torch.inference_mode()
 def regenerate(generator_model, tokenizer, prompts: list[dict], settings: TrainSettings, work: Path) -> list[dict]:
-    """The target's greedy answers, conversation by conversation ({"ids", "answer_from"}), batched
-    per turn; kept in ``work/answers.jsonl`` and resumed from there."""
+    """The target's answers, conversation by conversation ({"ids", "answer"}: ``_tokenise``), batched per
+    turn: every prompt answered greedily, then ``samples - 1`` more times sampled (seeded per batch).
+    Kept in ``work/answers.jsonl`` in that order and resumed from there."""
     store = work / "answers.jsonl"
     done = [json.loads(line) for line in store.read_text().splitlines()] if store.is_file() else []
-    todo = list(range(len(done), len(prompts)))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    jobs = [(sample, index) for sample in range(settings.samples) for index in range(len(prompts))]
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    bar = tqdm(total=len(prompts), initial=len(done), desc="eagle3: target answers", unit="conv")
+    bar = tqdm(total=len(jobs), initial=len(done), desc="eagle3: target answers", unit="conv")
     try:
-        for first in range(0, len(todo), settings.generate_batch):
-            batch = [prompts[i] for i in todo[first : first + settings.generate_batch]]
-            chats = [[{"role": "system", "content": p["system"]}] if p.get("system") else [] for p in batch]
-            for turn in range(max(len(p["turns"]) for p in batch)):
-                live = [i for i, p in enumerate(batch) if turn < len(p["turns"])]
-                for i in live:
-                    chats[i].append({"role": "user", "content": batch[i]["turns"][turn]})
-                texts = [
-                    tokenizer.apply_chat_template(chats[i], add_generation_prompt=True, tokenize=False) for i in live
-                ]
-                encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-                out = generator_model.generate(
-                    **encoded, max_new_tokens=settings.max_new_tokens, do_sample=False, pad_token_id=pad
-                )  # [B, P + N]
-                for row, i in enumerate(live):
-                    answer = [t for t in out[row, encoded.input_ids.shape[1] :].tolist() if t != pad]
-                    text = tokenizer.decode(answer, skip_special_tokens=True)
-                    chats[i].append({"role": "assistant", "content": text})
+        first = len(done)
+        while first < len(jobs):
+            # a batch holds one sample round: greedy and sampled answers are never mixed
+            batch = [job for job in jobs[first : first + settings.generate_batch] if job[0] == jobs[first][0]]
+            torch.manual_seed(settings.seed + first)
+            chats = _answer(generator_model, tokenizer, [prompts[i] for _, i in batch], batch[0][0], settings)
             with store.open("a") as sink:
                 for chat in chats:
                     sink.write(json.dumps(_tokenise(tokenizer, chat)) + "\n")
             bar.update(len(batch))
+            first += len(batch)
     finally:
         tokenizer.padding_side = side
         bar.close()
-    return [json.loads(line) for line in store.read_text().splitlines()]
+    return [json.loads(line) for line in store.read_text().splitlines()][: len(jobs)]
+
+
+def _answer(generator_model, tokenizer, batch: list[dict], sample: int, settings: TrainSettings) -> list[list[dict]]:
+    """One batch of conversations answered turn by turn: greedily for sample 0, sampled after."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    how = {"do_sample": True, "temperature": settings.temperature, "top_k": 0} if sample else {"do_sample": False}
+    chats = [[{"role": "system", "content": p["system"]}] if p.get("system") else [] for p in batch]
+    for turn in range(max(len(p["turns"]) for p in batch)):
+        live = [i for i, p in enumerate(batch) if turn < len(p["turns"])]
+        for i in live:
+            chats[i].append({"role": "user", "content": batch[i]["turns"][turn]})
+        texts = [tokenizer.apply_chat_template(chats[i], add_generation_prompt=True, tokenize=False) for i in live]
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = generator_model.generate(
+            **encoded, max_new_tokens=settings.max_new_tokens, pad_token_id=pad, **how
+        )  # [B, P + N]
+        for row, i in enumerate(live):
+            answer = [t for t in out[row, encoded.input_ids.shape[1] :].tolist() if t != pad]
+            chats[i].append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    return chats
 
 
 def _tokenise(tokenizer, chat: list[dict]) -> dict:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import Eagle3Training
-from engine.eagle3_data import collect_features, draft_vocabulary, load_prompts, make_batch, windows
+from engine.eagle3_data import collect_features, draft_vocabulary, load_prompts, make_batch, regenerate, windows
 from engine.eagle3_head import default_aux_layers
 from engine.eagle3_training import head_config, new_head, train_eagle3, unrolled_loss
 from engine.model import CausalLM
@@ -62,6 +62,29 @@ def test_train_writes_a_head_the_drafter_reads_back_and_resumes(tmp_path):
     other = tmp_path / "other"
     train_eagle3(str(model_dir), other, Eagle3Training(**SMALL))
     assert torch.equal(load_file(other / "model.safetensors")["fc.weight"], weights["fc.weight"])
+
+
+def test_more_samples_add_seeded_sampled_answers_after_the_greedy_ones(tmp_path):
+    """--samples 3: every prompt answered greedily first (as --samples 1 answers it), then twice
+    sampled; a stopped run resumes to the same file, batch by batch."""
+    tokenizer = byte_tokenizer()
+    model = tiny_llama(3, len(tokenizer), layers=2, init=0.2)
+    prompts = load_prompts(limit=3)
+    settings = Eagle3Training(**{**SMALL, "samples": 3, "temperature": 1.0})
+    (tmp_path / "greedy").mkdir()
+    (tmp_path / "all").mkdir()
+    greedy = regenerate(model, tokenizer, prompts, Eagle3Training(**SMALL), tmp_path / "greedy")
+    answers = regenerate(model, tokenizer, prompts, settings, tmp_path / "all")
+    assert len(answers) == 9 and answers[:3] == greedy
+    assert all(a["ids"] != g["ids"] for a, g in zip(answers[3:6], greedy, strict=True))  # sampled, not greedy
+    assert answers[3:6] != answers[6:]  # each round its own draws
+    store = tmp_path / "all" / "answers.jsonl"
+    whole = store.read_text()
+    store.write_text("".join(whole.splitlines(keepends=True)[:5]))  # stopped after three batches (2, 1, 2)
+    assert regenerate(model, tokenizer, prompts, settings, tmp_path / "all") == answers
+    assert store.read_text() == whole
+    # fewer samples than the store holds: the first rounds only
+    assert regenerate(model, tokenizer, prompts, Eagle3Training(**SMALL), tmp_path / "all") == greedy
 
 
 def test_training_teaches_the_head_the_targets_next_tokens():
