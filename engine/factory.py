@@ -111,16 +111,18 @@ def build_engine(
     target = CausalLM(target_model, max_len)
     if target_file is not None and config.gguf_blocks and target.device.type == "cpu":
         offer_blocks(target, FileTensors.read(target_file))
+    target.use_kernels(config.kernel_mode, config.compile_backend)  # before copy:auto times it
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None
     measured_agreement = None
     if draft is not None and config.draft_copy == COPY_INT8:
         draft.weights.quantize_int8()
     elif draft is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
         cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
-        draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens, cache)
-        config = replace(config, draft=COPY_PREFIX + form)
-    for model in filter(None, (target, draft)):
-        model.use_kernels(config.kernel_mode, config.compile_backend)
+        keep_none = config.drafter == "auto"  # which has other candidates; a drafter named "model" needs a copy
+        draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens, cache, keep_none)
+        config = replace(config, draft=None if draft is None else COPY_PREFIX + form)
+    if draft is not None:
+        draft.use_kernels(config.kernel_mode, config.compile_backend)
     mode = config.forward_mode
     if mode != "eager":  # decode-shaped forwards: up to k drafts, a pending token, and a bonus row
         for model in filter(None, (target, draft)):

@@ -90,13 +90,19 @@ def agreement(draft: CausalLM, target: CausalLM, num_tokens: int = 32) -> float:
 
 
 def choose_copy(
-    target: CausalLM, bfloat16: CausalLM, num_draft_tokens: int, cache: PlanCache | None = None
-) -> tuple[CausalLM, str, float | None]:
+    target: CausalLM,
+    bfloat16: CausalLM,
+    num_draft_tokens: int,
+    cache: PlanCache | None = None,
+    may_keep_none: bool = False,
+) -> tuple[CausalLM | None, str, float | None]:
     """``copy:auto``: the bfloat16 copy of the target, or the same weights as int8 rows, whichever
-    promises more tokens per second at k = ``num_draft_tokens``: expected_tokens(agreement, k)
-    over k draft steps and a verify, each timed here. Off CPU (no int8 kernel there) the bfloat16
-    copy, unmeasured. Returns the chosen model, what it is made of ("bfloat16" or "int8"), and its
-    measured agreement with the target (None where none was measured)."""
+    promises more tokens per second: expected_tokens(agreement, k) over k draft steps and a verify,
+    each timed here, at its best k up to ``num_draft_tokens``. With ``may_keep_none`` (the auto
+    drafter, which has other candidates), neither where the target alone decodes faster than either
+    promises: a copy that cannot pay only costs memory and auto's probes. Off CPU (no int8 kernel
+    there) the bfloat16 copy, unmeasured. Returns the chosen model (None: none), what it is
+    ("bfloat16", "int8" or "none"), and its measured agreement with the target (None: not measured)."""
     if target.device.type != "cpu":
         return bfloat16, "bfloat16", None
     log.info("draft copy:auto: timing a bfloat16 and an int8 copy of the target on this host to keep the faster")
@@ -105,17 +111,27 @@ def choose_copy(
     max_rows = num_draft_tokens + 2
     for model in (target, bfloat16):
         model.weights.plan_matmuls(min(max_rows, model.max_len), cache)
-    k = max(num_draft_tokens, 1)
-    verify = read_seconds(target, k + 1, repeats=2)
-    rates, found, agreements = {}, {}, {}
+    most = max(num_draft_tokens, 1)
+    read_seconds(target, 1, repeats=1)  # first-call costs
+    alone = read_seconds(target, 1, repeats=3)
+    # the verify of k drafts, on the line through one row and most + 1 rows
+    per_row = max(read_seconds(target, most + 1, repeats=2) - alone, 0.0) / most
+    rates, found, agreements = {"none": 1 / alone}, {}, {}
     for form, model in (("bfloat16", bfloat16), ("int8", int8)):
         read_seconds(model, 1, repeats=1)  # first-call costs
         step, agreements[form] = read_seconds(model, 1, repeats=3), agreement(model, target)
-        rates[form] = expected_tokens(agreements[form], k) / (k * step + verify)
-        found[form] = f"{form} (step {step * 1e3:.1f} ms, agreement {agreements[form]:.3f}, {rates[form]:.1f} tok/s)"
-    chosen = max(rates, key=rates.__getitem__)
-    log.info("draft copy:auto chose %s over %s", found[chosen], next(v for f, v in found.items() if f != chosen))
-    return (int8 if chosen == "int8" else bfloat16), chosen, agreements[chosen]
+        rates[form], k = max(
+            (expected_tokens(agreements[form], k) / (k * step + alone + k * per_row), k) for k in range(1, most + 1)
+        )
+        found[form] = (
+            f"{form} (step {step * 1e3:.1f} ms, agreement {agreements[form]:.3f}, {rates[form]:.1f} tok/s at k = {k})"
+        )
+    found["none"] = f"none (the target alone: step {alone * 1e3:.1f} ms, {rates['none']:.1f} tok/s)"
+    chosen = max(rates if may_keep_none else agreements, key=rates.__getitem__)
+    others = ", ".join(text for form, text in found.items() if form != chosen and (may_keep_none or form != "none"))
+    log.info("draft copy:auto chose %s over %s", found[chosen], others)
+    model = {"bfloat16": bfloat16, "int8": int8}.get(chosen)
+    return model, chosen, agreements.get(chosen)
 
 
 def fitted_line(values: list[float]) -> list[float]:

@@ -59,18 +59,35 @@ def test_a_copy_names_one_of_the_forms():
     assert EngineConfig(draft="some/model").draft_copy is None
 
 
-def test_copy_auto_times_both_copies_and_keeps_the_faster(caplog):
-    """The choice is by measured tokens per second at k; the log names both, with what each measured."""
+def _chosen_copy(caplog, may_keep_none: bool) -> tuple[CausalLM | None, str, float | None, str, dict]:
+    """copy:auto over a tiny target: what it returns, its log line, and the rates the line names."""
     target = CausalLM(tiny_llama(seed=5, vocab_size=64, init=0.2), max_len=64)
     bfloat16 = CausalLM(copy.deepcopy(target.hf_model).to(torch.bfloat16), max_len=64)
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="engine.measure"):
-        chosen, form, agreed = choose_copy(target, bfloat16, num_draft_tokens=3)
+        chosen, form, agreed = choose_copy(target, bfloat16, num_draft_tokens=3, may_keep_none=may_keep_none)
     line = next(r.getMessage() for r in caplog.records if "copy:auto chose" in r.getMessage())
-    rates = {name: float(rate) for name, rate in re.findall(r"(int8|bfloat16) \(step .*?, ([\d.]+) tok/s\)", line)}
+    rates = {name: float(rate) for name, rate in re.findall(r"(int8|bfloat16|none) \(.*?, ([\d.]+) tok/s", line)}
+    return chosen, form, agreed, line, rates
+
+
+def test_copy_auto_times_both_copies_and_keeps_the_faster(caplog):
+    """The choice is by measured tokens per second at its best k; the log names both, with what each measured."""
+    chosen, form, agreed, line, rates = _chosen_copy(caplog, may_keep_none=False)
     assert set(rates) == {"int8", "bfloat16"} and form == max(rates, key=rates.__getitem__)
     assert line.startswith(f"draft copy:auto chose {form} ")
-    assert chosen.weights.int8 == (form == "int8") and (chosen is bfloat16) == (form == "bfloat16")
+    assert chosen.weights.int8 == (form == "int8")
     assert f"{form} (step " in line and f"agreement {agreed:.3f}" in line.split(" over ")[0]
+    assert re.search(r"tok/s at k = [123]\)", line)
+
+
+def test_copy_auto_for_the_auto_drafter_keeps_no_copy_where_the_target_alone_is_faster(caplog):
+    """Beside the auto drafter the target alone is a third choice, priced from its own timed step;
+    the choice is still the fastest of the three, and choosing it returns no model."""
+    chosen, form, agreed, line, rates = _chosen_copy(caplog, may_keep_none=True)
+    assert set(rates) == {"int8", "bfloat16", "none"} and form == max(rates, key=rates.__getitem__)
+    assert re.search(r"none \(the target alone: step [\d.]+ ms, [\d.]+ tok/s\)", line)
+    assert (chosen is None) == (form == "none") and (agreed is None) == (form == "none")
 
 
 def test_an_engine_drafting_with_copy_auto_says_which_copy_and_keeps_the_targets_greedy_output():

@@ -104,7 +104,10 @@ class ModelDrafter(Drafter):
 @register("model", ModelDrafter)
 def _build(resources: DraftResources) -> ModelDrafter:
     if resources.draft is None:
-        raise ConfigError("the 'model' drafter needs a draft model (--draft REF)")
+        raise ConfigError(
+            "the 'model' drafter needs a draft model (--draft REF or copy:FORM; copy:auto keeps none where "
+            "the start-up line says the target alone decodes faster)"
+        )
     target = None
     if resources.config.draft_reads_target_kv:
         draft_shape, target_shape = resources.draft.cache.keys.shape, resources.target.cache.keys.shape
