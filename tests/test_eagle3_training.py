@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from engine.config import Eagle3Training
 from engine.eagle3_data import collect_features, draft_vocabulary, load_prompts, make_batch, regenerate, windows
 from engine.eagle3_head import default_aux_layers
-from engine.eagle3_training import head_config, new_head, train_eagle3, unrolled_loss
+from engine.eagle3_training import head_config, held_out_prompts, new_head, train_eagle3, unrolled_loss
 from engine.model import CausalLM
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -62,6 +62,16 @@ def test_train_writes_a_head_the_drafter_reads_back_and_resumes(tmp_path):
     other = tmp_path / "other"
     train_eagle3(str(model_dir), other, Eagle3Training(**SMALL))
     assert torch.equal(load_file(other / "model.safetensors")["fc.weight"], weights["fc.weight"])
+
+
+def test_held_out_prompts_are_whole_runs_of_neighbours_from_every_part_of_the_set():
+    """Neighbouring prompts ask about one topic in several ways, so they are held out together; the
+    shipped set's types lose some (they come in runs), and a set too small to spare any keeps all."""
+    unseen = held_out_prompts(459)
+    assert len(unseen) == 50 and {0, 1, 2, 3, 4, 450, 454} <= unseen and not {5, 49, 455} & unseen
+    kinds = [prompt["type"] for prompt in load_prompts()]
+    assert {kinds[p] for p in unseen} >= {"chat", "code", "summarise", "edit", "json", "multi-turn"}
+    assert held_out_prompts(3) == set()
 
 
 def test_more_samples_add_seeded_sampled_answers_after_the_greedy_ones(tmp_path):
