@@ -6,7 +6,11 @@ about 200 positions, alternating three forms round by round so host noise hits a
 ``layers`` (what serving runs: each decoder layer one specserve::decode_layer call), ``ops`` (the
 same ops of engine/csrc called one by one from Python: norms, rotation into the cache, decode
 attention) and ``torch`` (torch's eager ops, as a compiled forward traces them). Also splits a
-served decode step by op with torch's profiler. Writes bench/results/native_ops.json.
+served decode step by op with torch's profiler, and times the served forward over 1..8 rows with
+the shipped EAGLE-3 head's step: the line through them, a step's fixed cost plus a cost per row,
+bounds what any chain of drafts can gain here (``ceiling``: the best speedup over k at each
+per-token acceptance, drafting at the head's step and for free); and one Q4_1 product over 1..8
+rows, for what a row past the first costs the kernel. Writes bench/results/native_ops.json.
 
     .venv/bin/python bench/native_ops.py
 """
@@ -61,12 +65,86 @@ def op_split(target, steps: int = 30) -> dict:
     }
 
 
+def ceiling(step_ms: dict[int, float], draft_ms: float) -> dict:
+    """The best speedup over target-only that any chain of k drafts (k + 1 <= the rows timed) gives
+    at per-token acceptance alpha, when a forward over n rows costs step_ms[n] and each draft
+    draft_ms: expected tokens (1 - alpha^(k+1)) / (1 - alpha) per step_ms[k + 1] + k * draft_ms,
+    against one token per step_ms[1]."""
+    table = {}
+    for alpha in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
+        speedup, k = max(
+            ((1 - alpha ** (k + 1)) / (1 - alpha) * step_ms[1] / (step_ms[k + 1] + k * draft_ms), k)
+            for k in range(1, max(step_ms))
+        )
+        table[str(alpha)] = {"speedup": round(speedup, 2), "k": k}
+    return table
+
+
+def row_sweep(target, head_step_ms: float, rounds: int, repeats: int) -> dict:
+    """The served forward over 1..8 rows at WINDOW (row counts in turn, reversed every other round),
+    the least-squares line through it, and the ceiling its times set."""
+    rows = list(range(1, 9))
+    times: dict[int, list[float]] = {n: [] for n in rows}
+    for round_index in range(rounds):
+        for n in rows if round_index % 2 == 0 else reversed(rows):
+            times[n].append(step_ms(target, n, repeats))
+    medians = {n: statistics.median(values) for n, values in times.items()}
+    mean_n, mean_t = statistics.fmean(rows), statistics.fmean(medians.values())
+    per_row = sum((n - mean_n) * (medians[n] - mean_t) for n in rows) / sum((n - mean_n) ** 2 for n in rows)
+    return {
+        "ms_by_rows": {str(n): round(ms, 2) for n, ms in medians.items()},
+        "fixed_ms": round(mean_t - per_row * mean_n, 2),
+        "per_row_ms": round(per_row, 2),
+        "head_step_ms": round(head_step_ms, 2),
+        # drafts at the head's step, and free ones (text matching proposes at next to no cost)
+        "ceiling": {"eagle3_head": ceiling(medians, head_step_ms), "free_drafts": ceiling(medians, 0.0)},
+    }
+
+
+def kernel_rows(repeats: int = 50) -> dict:
+    """One Q4_1 product the shape of a layer's gate and up ([3072, 576], random weights, cache-warm)
+    over 1..8 rows: microseconds and billions of multiply-adds a second, and what a row past the
+    first adds, at this process's threads."""
+    import gguf
+    import numpy as np
+
+    from engine.blocks import FORMATS, kernel_isa
+
+    out_features, in_features = 3072, 576
+    weights = np.random.default_rng(0).standard_normal((out_features, in_features)).astype(np.float32) * 0.02
+    blocks = torch.from_numpy(gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q4_1))
+    isa, micros = kernel_isa(), {}
+    for rows in range(1, 9):
+        x, out = torch.randn(rows, in_features), torch.empty(rows, out_features)
+
+        def product(x=x, out=out) -> None:
+            torch.ops.specserve.blocks_times(x, blocks, FORMATS["Q4_1"], in_features, isa, out)
+
+        for _ in range(10):
+            product()
+        timings = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(repeats):
+                product()
+            timings.append((time.perf_counter() - started) / repeats)
+        micros[rows] = 1e6 * statistics.median(timings)
+    per_row = (micros[5] - micros[1]) / 4
+    return {
+        "us_by_rows": {str(n): round(us, 1) for n, us in micros.items()},
+        "gfma_per_s_by_rows": {str(n): round(n * out_features * in_features / us / 1e3, 1) for n, us in micros.items()},
+        "gfma_per_s_of_a_row_past_the_first": round(out_features * in_features / per_row / 1e3, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    target = load_engine(EngineConfig(max_model_len=1024, drafter="none"), show_progress=False).engine.target
+    engine = load_engine(EngineConfig(max_model_len=1024, drafter="eagle3", draft=None), show_progress=False).engine
+    target = engine.target
+    head_step_ms = 1000 * engine.drafter("eagle3").own_costs().step_seconds
     target.cache.rollback(0)
     target.extend(list(range(100, 100 + WINDOW)), num_logits=0)
     layer_products = target._layer_products
@@ -95,11 +173,14 @@ def main() -> None:
             for form in ("ops", "torch")
         },
         "served_decode_split": op_split(target),
+        "served_rows": row_sweep(target, head_step_ms, args.rounds, args.repeats),
+        "kernel_rows": kernel_rows(),
         "rounds": results,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "native_ops.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({key: report[key] for key in ("median_ms", "over_layers", "served_decode_split")}, indent=2))
+    shown = ("median_ms", "over_layers", "served_decode_split", "served_rows", "kernel_rows")
+    print(json.dumps({key: report[key] for key in shown}, indent=2))
 
 
 if __name__ == "__main__":
