@@ -114,8 +114,7 @@ def choose_copy(
     most = max(num_draft_tokens, 1)
     read_seconds(target, 1, repeats=1)  # first-call costs
     alone = read_seconds(target, 1, repeats=3)
-    # the verify of k drafts, on the line through one row and most + 1 rows
-    per_row = max(read_seconds(target, most + 1, repeats=2) - alone, 0.0) / most
+    per_row = extra_row_seconds(target, most + 1, alone, repeats=2)  # a verify of k drafts: alone + k * per_row
     rates, found, agreements = {"none": 1 / alone}, {}, {}
     for form, model in (("bfloat16", bfloat16), ("int8", int8)):
         read_seconds(model, 1, repeats=1)  # first-call costs
@@ -127,8 +126,9 @@ def choose_copy(
             f"{form} (step {step * 1e3:.1f} ms, agreement {agreements[form]:.3f}, {rates[form]:.1f} tok/s at k = {k})"
         )
     found["none"] = f"none (the target alone: step {alone * 1e3:.1f} ms, {rates['none']:.1f} tok/s)"
-    chosen = max(rates if may_keep_none else agreements, key=rates.__getitem__)
-    others = ", ".join(text for form, text in found.items() if form != chosen and (may_keep_none or form != "none"))
+    candidates = [form for form in rates if may_keep_none or form != "none"]
+    chosen = max(candidates, key=rates.__getitem__)
+    others = ", ".join(text for form, text in found.items() if form in candidates and form != chosen)
     log.info("draft copy:auto chose %s over %s", found[chosen], others)
     model = {"bfloat16": bfloat16, "int8": int8}.get(chosen)
     return model, chosen, agreements.get(chosen)
