@@ -29,8 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import host  # noqa: E402
+from engine.adaptive import expected_tokens  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
+from engine.measure import fitted_line  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WINDOW = 200  # cache positions before the timed tokens
@@ -73,7 +75,7 @@ def ceiling(step_ms: dict[int, float], draft_ms: float) -> dict:
     table = {}
     for alpha in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
         speedup, k = max(
-            ((1 - alpha ** (k + 1)) / (1 - alpha) * step_ms[1] / (step_ms[k + 1] + k * draft_ms), k)
+            (expected_tokens(alpha, k) * step_ms[1] / (step_ms[k + 1] + k * draft_ms), k)
             for k in range(1, max(step_ms))
         )
         table[str(alpha)] = {"speedup": round(speedup, 2), "k": k}
@@ -89,11 +91,11 @@ def row_sweep(target, head_step_ms: float, rounds: int, repeats: int) -> dict:
         for n in rows if round_index % 2 == 0 else reversed(rows):
             times[n].append(step_ms(target, n, repeats))
     medians = {n: statistics.median(values) for n, values in times.items()}
-    mean_n, mean_t = statistics.fmean(rows), statistics.fmean(medians.values())
-    per_row = sum((n - mean_n) * (medians[n] - mean_t) for n in rows) / sum((n - mean_n) ** 2 for n in rows)
+    line = fitted_line([medians[n] for n in rows])  # at 1..8 rows
+    per_row = line[1] - line[0]
     return {
         "ms_by_rows": {str(n): round(ms, 2) for n, ms in medians.items()},
-        "fixed_ms": round(mean_t - per_row * mean_n, 2),
+        "fixed_ms": round(line[0] - per_row, 2),
         "per_row_ms": round(per_row, 2),
         "head_step_ms": round(head_step_ms, 2),
         # drafts at the head's step, and free ones (text matching proposes at next to no cost)
