@@ -110,7 +110,9 @@ def build_engine(
     max_len = config.max_model_len or min(limit, 4096)
     target = CausalLM(target_model, max_len)
     if target_file is not None and config.gguf_blocks and target.device.type == "cpu":
+        release_freed_memory()  # the weights fusing replaced, before the file is read
         offer_blocks(target, FileTensors.read(target_file))
+    release_freed_memory()
     target.use_kernels(config.kernel_mode, config.compile_backend)  # before copy:auto times it
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None
     measured_agreement = None
@@ -121,6 +123,7 @@ def build_engine(
         keep_none = config.drafter == "auto"  # which has other candidates; a drafter named "model" needs a copy
         draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens, cache, keep_none)
         config = replace(config, draft=None if draft is None else COPY_PREFIX + form)
+        release_freed_memory()
     if draft is not None:
         draft.use_kernels(config.kernel_mode, config.compile_backend)
     mode = config.forward_mode

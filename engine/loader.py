@@ -172,9 +172,18 @@ def load_draft(config: EngineConfig, target: torch.nn.Module) -> torch.nn.Module
     # quantizes its products' weights
     dtype = DTYPES.get(config.draft_copy, torch.bfloat16)
     started = time.perf_counter()
-    draft = copy.deepcopy(target).to(dtype)
+    draft = converted_copy(target, dtype)
     log.info("loaded draft %s: %s in %.1f s", config.draft, describe(draft), time.perf_counter() - started)
     return draft
+
+
+def converted_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A deep copy of ``model`` in ``dtype``, converted a parameter at a time: start-up never holds
+    a whole second copy in the model's own dtype (tied parameters stay tied)."""
+    memo = {
+        id(param): torch.nn.Parameter(param.detach().to(dtype), param.requires_grad) for param in model.parameters()
+    }
+    return copy.deepcopy(model, memo).to(dtype)
 
 
 def generation_defaults(model: torch.nn.Module, embedded: bool) -> dict[str, float | int]:

@@ -106,11 +106,11 @@ def choose_copy(
     if target.device.type != "cpu":
         return bfloat16, "bfloat16", None
     log.info("draft copy:auto: timing a bfloat16 and an int8 copy of the target on this host to keep the faster")
+    max_rows = num_draft_tokens + 2
+    target.weights.plan_matmuls(min(max_rows, target.max_len), cache)  # first: it frees what it holds in another form
     int8 = CausalLM(copy.deepcopy(bfloat16.hf_model), bfloat16.max_len)
     int8.weights.quantize_int8()
-    max_rows = num_draft_tokens + 2
-    for model in (target, bfloat16):
-        model.weights.plan_matmuls(min(max_rows, model.max_len), cache)
+    bfloat16.weights.plan_matmuls(min(max_rows, bfloat16.max_len), cache)
     most = max(num_draft_tokens, 1)
     read_seconds(target, 1, repeats=1)  # first-call costs
     alone = read_seconds(target, 1, repeats=3)

@@ -11,6 +11,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.factory import build_engine, warm_up
+from engine.loader import converted_copy
 from engine.measure import choose_copy
 from engine.model import CausalLM
 from engine.request import Request
@@ -32,6 +33,20 @@ def test_int8_rows_hold_each_weight_within_half_a_step_of_its_row_scale():
     x = torch.randn(3, 64).to(torch.bfloat16)  # [N, I]
     reference = x.float() @ restored.T  # [N, O]
     assert torch.allclose(quantized.linear(x).float(), reference, rtol=0.02, atol=0.05)
+
+
+def test_a_converted_copy_equals_the_whole_model_converted_and_keeps_tied_weights_tied():
+    model = tiny_llama(seed=2, vocab_size=64)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the embedded model's are
+    converted = converted_copy(model, torch.bfloat16)
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    assert converted.lm_head.weight is converted.model.embed_tokens.weight
+    assert all(param.dtype == torch.float32 for param in model.parameters())  # the original is untouched
+    ours, theirs = converted.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]) for name in ours)
+    ids = torch.tensor([[1, 5, 9]])
+    assert torch.equal(converted(ids).logits, reference(ids).logits)
 
 
 def test_an_int8_model_frees_its_float_weights_and_stays_close_to_bfloat16():
