@@ -100,6 +100,7 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         }
         if LLAMA_CPP in metrics:
             entry["default_vs_llama_cpp"] = round(default / _speed(metrics, LLAMA_CPP), 3)
+            entry["target_only_vs_llama_cpp"] = round(own / _speed(metrics, LLAMA_CPP), 3)
         goals = GOALS if kind in GOAL_TWO_X_TYPES else {k: v for k, v in GOALS.items() if k != "best_vs_target_only"}
         entry["met"] = {name: entry[name] >= goal for name, goal in goals.items()}
         targets[kind] = entry
@@ -107,6 +108,10 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         ratios = [entry["default_vs_target_only"] for entry in targets.values()]
         geomean = round(statistics.geometric_mean(ratios), 3)
         targets["all"] = {"default_vs_target_only_geomean": geomean, "met": geomean >= GOAL_DEFAULT_GEOMEAN}
+        for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp"):  # the same file and threads
+            if all(name in entry for entry in targets.values() if entry is not targets["all"]):
+                ratios = [entry[name] for kind, entry in targets.items() if kind != "all"]
+                targets["all"][f"{name}_geomean"] = round(statistics.geometric_mean(ratios), 3)
     return targets
 
 
@@ -212,6 +217,15 @@ def summary(report: dict, full_tables: str) -> str:
         ]
     if not has_llama:
         lines += ["", "llama.cpp: not measured in this run (llama-cpp-python was not importable)."]
+    elif "default_vs_llama_cpp_geomean" in targets.get("all", {}):
+        every = targets["all"]
+        lines += [
+            "",
+            "Over llama.cpp on the same GGUF file and threads, geometric mean: target-only "
+            f"{every['target_only_vs_llama_cpp_geomean']:.2f}x, default {every['default_vs_llama_cpp_geomean']:.2f}x.",
+        ]
+    for name, why in report.get("refused", {}).items():
+        lines += ["", f"serve:{name}: not measured; the server refused it ({why})."]
     lines += ["", f"Every configuration, latency, acceptance and memory: [{full_tables}]({full_tables})."]
     return "\n".join(lines)
 

@@ -258,6 +258,16 @@ class ServerRunner:
         run.peak_rss_mb = self.rss.read_mb()
         return run
 
+    def refusal(self, drafter: str) -> str | None:
+        """Why the server answers a request for ``drafter`` 400 (a drafter named ``model`` where
+        copy:auto kept no copy), or None where it serves it: asked with a one-token request."""
+        body = {"prompt": [1], "max_tokens": 1, "user": "bench-probe", "speculative": {"drafter": drafter}}
+        response = self.client.post("/v1/completions", json=body)
+        if response.status_code == 400:
+            return response.json()["error"]["message"]
+        response.raise_for_status()
+        return None
+
     def _forget_prompts(self, prompt_ids: list[int]) -> None:
         """Leave nothing of ``prompt_ids`` in the server's prefix cache, so that every run reads its
         whole prompt, as HF's and llama.cpp's runs do: the configurations take turns on one server,

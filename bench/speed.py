@@ -112,6 +112,12 @@ def main() -> None:
         # The server times its steps and its draft copies at start-up: loading models here meanwhile
         # would make those timings (and what they decide) the ones of a busy host.
         server.wait_ready()
+        args.refused = {
+            name: why for name in args.drafters.split(",") if name != "default" and (why := server.refusal(name))
+        }
+        for name, why in args.refused.items():
+            print(f"serve:{name}: not measured, the server refuses it: {why}", file=sys.stderr)
+        args.drafters = ",".join(name for name in args.drafters.split(",") if name not in args.refused)
         # HF assisted drafts with a bfloat16 copy, its best; the in-process engine with args.draft,
         # built from its own copies (an engine owns its models: packing or quantizing frees the
         # weights as the checkpoint held them, which HF's own runs here still need)
@@ -179,6 +185,7 @@ def report(args, models, engine, server, configs: list[Config], runs: dict, band
             for k in ("draft", "num_draft_tokens", "max_tokens", "repeats", "quick", "temperature", "server_args")
         },
         "server_draft": server.draft,  # what the server loaded (copy:auto's choice)
+        "refused": args.refused,  # drafters the server would not run (no draft kept), and why
         "date": time.strftime("%Y-%m-%d"),
         **summarise(configs, runs, bound_s),
     }

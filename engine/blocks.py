@@ -141,6 +141,14 @@ class BlockWeight:
             torch.ops.specserve.blocks_decode(blocks, part.format, self.in_features, self.isa, decoded)
             torch.mm(rows, decoded.T, out=columns[:, begin : begin + blocks.shape[0]])
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] of a one-part weight, decoded from their blocks -> [T, I] float32: an
+        embedding lookup in a table held as the tied LM head's blocks."""
+        (part,) = self.parts
+        out = torch.empty(ids.shape[0], self.in_features, device=part.blocks.device)  # [T, I]
+        torch.ops.specserve.blocks_decode(part.blocks[ids], part.format, self.in_features, self.isa, out)
+        return out
+
     def dense(self) -> torch.Tensor:
         """The weight [O, I] in float32, as ``load`` produced it."""
         return torch.cat([decode(part, self.in_features, self.isa) for part in self.parts])

@@ -131,7 +131,7 @@ class Eagle3Head(nn.Module):
         count, start = ids.shape[0], self.cache.length
         positions = self.target.positions[start : start + count]  # [T]
         layer = self.midlayer
-        embedded = self._norm(layer.input_layernorm, self.target.embed(ids))  # [T, H]
+        embedded = self._norm(layer.input_layernorm, self.target.embedding(ids))  # [T, H]
         normed = self._norm(layer.hidden_norm, features)  # [T, H]
         residual = normed if self.norm_before_residual else features
         x = torch.cat([embedded, normed], dim=-1)[None]  # [1, T, 2H]

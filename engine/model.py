@@ -114,6 +114,12 @@ class CausalLM:
         self._last_hidden_end = self.cache.length
         return logits
 
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, E]: the embedding's rows, from the GGUF blocks of the LM head tied to
+        it where the plan holds that head so (the table's float32 copy is then freed)."""
+        rows = self.weights.embedding_rows(input_ids)  # [T, E] or None
+        return self.embed(input_ids) if rows is None else rows
+
     def keep_features(self, layers: tuple[int, ...]) -> None:
         """From now on every forward (eager, compiled or replayed) also writes the residual stream
         entering ``layers`` at its positions. Set before a runner compiles or captures: the layers
@@ -263,7 +269,7 @@ class CausalLM:
         if masked:  # query i (at positions[i]) sees keys [0, positions[i]]
             mask = self.positions[None, :window] <= positions[:, None]  # [T, W]
             mask = mask.repeat(self.num_heads // self.num_kv_heads, 1)  # [G*T, W], queries grouped by KV head
-        hidden = self.embed(input_ids)[None]  # [1, T, E]
+        hidden = self.embedding(input_ids)[None]  # [1, T, E]
         delta = None  # [1, T, E] what the last block adds to ``hidden``, not yet added
         num_new, group = input_ids.shape[0], self.num_heads // self.num_kv_heads
         fusable = self.kernels.native and start is not None and not chunks and num_new <= DIRECT_ROWS

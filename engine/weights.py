@@ -61,12 +61,15 @@ class Int8Weight:
 
 class ProductWeights:
     """Every product one forward makes, as (module, weight attribute), and the form each weight is
-    held in. It owns the weights: ``use_plan`` and ``quantize_int8`` free the copies they replace
-    (never ``keep``, the embedding table, which a tied LM head shares)."""
+    held in. It owns the weights: ``use_plan`` and ``quantize_int8`` free the copies they replace.
+    ``keep``, the embedding table, which a tied LM head shares, is freed only where that head is
+    held as one part of GGUF blocks: lookups then decode their rows from them (``embedding_rows``)."""
 
     def __init__(self, products: list[tuple[nn.Module, str]], keep: torch.Tensor) -> None:
         self.products = products
         self.keep = keep
+        # the product whose weight is the embedding table (a tied LM head), as (id(module), name)
+        self._tied = next(((id(module), name) for module, name in products if getattr(module, name) is keep), None)
         self.plan = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
         # weights held in another form, by (id(module), weight name): int8 rows, packed by oneDNN, GGUF blocks
         self.prepared: dict[tuple[int, str], Int8Weight | PackedWeight | BlockWeight] = {}
@@ -87,6 +90,13 @@ class ProductWeights:
         if held is not None:
             return held.linear(x)
         return self.plan.linear(x, getattr(module, name), _bias(module, name))
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """ids [T] -> their rows of the embedding table [T, E], decoded from the tied LM head's GGUF
+        blocks (the same values) where the table itself is freed; None where it is held."""
+        if self.keep.numel():
+            return None
+        return self.prepared[self._tied].rows(ids)
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The floating-point weights the products multiply by, as the checkpoint holds them (the
@@ -179,15 +189,16 @@ class ProductWeights:
         """Free a product's floating-point weight, now held in another form: the tensor and, for a
         fused weight, the layers' weights that are views of it."""
         weight = getattr(module, name)
-        if weight.data_ptr() == self.keep.data_ptr():
-            return
+        held = self.prepared.get((id(module), name))
+        if weight is self.keep and not (isinstance(held, BlockWeight) and len(held.parts) == 1):
+            return  # the embedding table, whose rows only one part of blocks can give instead
         for tensor in [weight, *(linear.weight for linear in _fused_parts(module, name))]:
             tensor.data = weight.new_empty(0)
 
     def _restore(self, module: nn.Module, name: str, dense: torch.Tensor) -> None:
         """Undo ``_release`` with the weight ``dense`` [O, I]: the fused layers' weights are views again."""
         weight = getattr(module, name)
-        if weight.data_ptr() == self.keep.data_ptr():
+        if weight is self.keep and weight.numel():  # the embedding table, held all along
             return
         weight.data = dense
         parts = _fused_parts(module, name)

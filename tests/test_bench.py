@@ -105,6 +105,34 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     assert "geometric mean: 1.41x" in short and "(bench/results/x.md)" in short
 
 
+def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
+    runs = {
+        kind: {
+            "hf:generate": [_run(11, 1.0, "a")],  # 10 tokens/s
+            "llama.cpp": [_run(11, 0.25, "a")],  # 40
+            "serve:none": [_run(11, 0.5, "a", forwards=10)],  # 20
+            "serve:default": [_run(11, seconds, "a", forwards=5)],
+        }
+        for kind, seconds in (("chat", 0.5), ("code", 0.125))  # default 20 and 80
+    }
+    report = summarise([], runs, bound_s=0.01)
+    assert report["targets"]["chat"]["target_only_vs_llama_cpp"] == 0.5
+    assert [report["targets"][kind]["default_vs_llama_cpp"] for kind in ("chat", "code")] == [0.5, 2.0]
+    every = report["targets"]["all"]
+    assert every["target_only_vs_llama_cpp_geomean"] == 0.5 and every["default_vs_llama_cpp_geomean"] == 1.0
+    full = {
+        "model": "m",
+        "settings": {"max_tokens": 10, "repeats": 1},
+        "machine": {"read_bandwidth_gb_s": 1, "cpu": {"model": "cpu", "family": "25", "flags": [], "cpus": 2}},
+        "refused": {"model": "no draft kept"},
+        **report,
+    }
+    short = summary(full, "x.md")
+    assert "| chat | 10.0 | 10.0 (generate) | 40.0 | 20.0 | 20.0 |" in short
+    assert "geometric mean: target-only 0.50x, default 1.00x" in short
+    assert "serve:model: not measured; the server refused it (no draft kept)" in short
+
+
 def test_a_bench_saves_what_it_measured_after_every_round_and_says_how_far_it_got(tiny_model_dirs, tmp_path, capsys):
     """make bench's measuring loop against a real server on the tiny model: after each round of
     configurations the results so far are saved (a run cut short keeps them), and every run prints
@@ -118,6 +146,7 @@ def test_a_bench_saves_what_it_measured_after_every_round_and_says_how_far_it_go
     saved: list[tuple[list[str], str]] = []
     try:
         server.wait_ready()
+        assert "draft model" in server.refusal("model") and server.refusal("ngram") is None  # no draft here
         configs = [Config("serve:none", "serve", "none"), Config("serve:ngram", "serve", "ngram")]
         prompts = {"chat": ["Hello there", {"turns": ["one", "two"]}], "code": ["def f():"]}
         args = type("Args", (), {"repeats": 1, "max_tokens": 8})()

@@ -122,6 +122,24 @@ def test_an_engine_holds_its_products_as_blocks_and_matches_the_loaded_rows():
         assert torch.equal(getattr(module, name), before[id(module), name])
 
 
+def test_a_tied_embedding_table_is_freed_for_the_heads_blocks_and_lookups_decode_the_same_rows():
+    """The embedded model's LM head is its embedding table: held as the head's Q8_0 blocks, the
+    float32 table goes too, and lookups decode their rows from the blocks, bit for bit."""
+    target = tiny_llama(seed=8, vocab_size=64)
+    target.lm_head.weight = target.model.embed_tokens.weight  # tied, as the embedded model's are
+    file = quantize_in_place(target)
+    engine = tiny_engine(target, None)
+    model, ids = engine.target, torch.tensor([3, 7, 7, 63, 0])
+    table, rows = model.embed.weight.detach().clone(), model.embedding(ids)  # [V, E], [T, E]
+    offer_blocks(model, file)
+    model.weights.use_plan(MatmulPlan.uniform(BLOCKS, 6, model.weights.linear_weights()))
+    assert model.embed.weight.numel() == 0 and model.lm_head.weight is model.embed.weight
+    assert torch.equal(model.embedding(ids), rows)
+    assert torch.equal(model.weights.dense(model.lm_head, "weight"), table)
+    model.weights.use_plan(MatmulPlan())  # back to float32: the table is restored exactly
+    assert torch.equal(model.embed.weight, table) and model.weights.embedding_rows(ids) is None
+
+
 def test_a_product_whose_blocks_differ_from_the_loaded_weight_stays_float32():
     target = tiny_llama(seed=6, vocab_size=64)
     file = quantize_in_place(target)
