@@ -21,7 +21,7 @@ from .model import CausalLM
 from .outputs import OutputCache
 from .request import EngineDescription, Request, StepOutput, TokenLogprob, check_fits
 from .sampling import RequestSampler
-from .spec import rejection_sample
+from .spec import greedy_verdict, rejection_sample
 from .stats import DrafterSpeeds, SpecStats, StepRecord
 
 log = logging.getLogger(__name__)
@@ -288,10 +288,15 @@ class SpecEngine:
             logits = self.logits_hook(seq.request, seq.stats.target_forwards, logits)
         # NaN or inf anywhere in the logits poisons all of p, which the sampler then refuses (no extra
         # sync). isfinite, not a sum: summing 49k half-precision logits overflows to inf on its own.
-        p = sampler.probs(logits, proposal.token_ids)  # [k+1, V]
-        p = torch.where(torch.isfinite(logits).all(), p, torch.nan)
-        # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token.
-        verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator, proposal.num_proposed)
+        finite = torch.isfinite(logits).all()  # []
+        # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token
+        # (at temperature 0, p is one-hot: the same verdict from the target's tokens alone).
+        if sampler.params.greedy:
+            target_tokens = sampler.greedy_tokens(logits, proposal.token_ids)  # [k+1]
+            verdict = greedy_verdict(proposal.token_ids, target_tokens, finite, proposal.num_proposed)
+        else:
+            p = torch.where(finite, sampler.probs(logits, proposal.token_ids), torch.nan)  # [k+1, V]
+            verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator, proposal.num_proposed)
         # 4. Both caches roll back to the accepted length.
         n = verdict.num_accepted
         num_committed = len(tokens) + n

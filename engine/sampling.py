@@ -137,14 +137,7 @@ class RequestSampler:
         follows appended[:A - (T - 1) + t]. The verify pass gives A = k, T = k + 1; a draft step
         gives the draft tokens so far and T = 1.
         """
-        logits = logits[:, : self.vocab_size].float()  # [T, V]
-        if self.params.uses_history:
-            logits = self._apply_penalties(logits, appended)
-        if self._bias is not None:
-            logits = logits + self._bias
-        if self.constraint is not None:
-            drafted = [] if appended is None else appended.tolist()
-            logits = self.constraint.apply(logits.clone(), drafted)
+        logits = self._transformed(logits, appended)  # [T, V]
         if self.params.greedy:
             return one_hot(logits.argmax(-1), self.vocab_size)  # [T, V]
         logits = logits / self.params.temperature
@@ -158,6 +151,23 @@ class RequestSampler:
             floor = probs.max(dim=-1, keepdim=True).values * self.params.min_p  # [T, 1]
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
+
+    def greedy_tokens(self, logits: torch.Tensor, appended: torch.Tensor | None = None) -> torch.Tensor:
+        """At temperature 0: logits [T, V] -> [T] the token each row's distribution (``probs``'s
+        one-hot row) puts all its mass on, after the same penalties, bias and constraint."""
+        return self._transformed(logits, appended).argmax(-1)  # [T]
+
+    def _transformed(self, logits: torch.Tensor, appended: torch.Tensor | None) -> torch.Tensor:
+        """logits [T, V] in float32 over the tokenizer's ids, after penalties, bias and constraint."""
+        logits = logits[:, : self.vocab_size].float()  # [T, V]
+        if self.params.uses_history:
+            logits = self._apply_penalties(logits, appended)
+        if self._bias is not None:
+            logits = logits + self._bias
+        if self.constraint is not None:
+            drafted = [] if appended is None else appended.tolist()
+            logits = self.constraint.apply(logits.clone(), drafted)
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, appended: torch.Tensor | None) -> torch.Tensor:
         rows = logits.shape[0]

@@ -72,6 +72,32 @@ def rejection_sample(
     return Verdict(num, drafts[:num] + [token], proposed)
 
 
+def greedy_verdict(
+    draft_tokens: torch.Tensor,  # [k] int64
+    target_tokens: torch.Tensor,  # [k+1] the target's greedy token at each draft position and the bonus one
+    finite: torch.Tensor,  # [] bool: the target's logits hold no NaN or inf
+    num_proposed: torch.Tensor | None = None,  # [] n <= k, as for rejection_sample
+) -> Verdict:
+    """``rejection_sample``'s verdict where p is one-hot at ``target_tokens`` (temperature 0), whatever
+    q is: min(1, p/q) accepts x_i exactly when x_i is the target's token, and norm(max(0, p_i - q_i))
+    is one-hot at it again, so the kept drafts are the longest prefix matching the target's tokens,
+    then the target's token after them. No draws and no [k+1, V] rows; one transfer to the host."""
+    k = draft_tokens.shape[0]
+    rows = torch.arange(k, device=draft_tokens.device)
+    matched = draft_tokens == target_tokens[:k]  # [k]
+    if num_proposed is None:
+        num_proposed = torch.full((), k, dtype=torch.long, device=draft_tokens.device)  # []
+    else:
+        matched &= rows < num_proposed
+    num_accepted = matched.long().cumprod(0).sum()  # []
+    token = target_tokens.index_select(0, num_accepted.view(1))[0]  # []
+    head = torch.stack([num_accepted, token, finite.long(), num_proposed.long()])  # [4]
+    num, token, ok, proposed, *drafts = torch.cat([head, draft_tokens]).tolist()
+    if not ok:
+        raise NonFiniteProbabilities("the target's probabilities are not finite (NaN or inf in the logits)")
+    return Verdict(num, drafts[:num] + [token], proposed)
+
+
 def sample_one(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw [] from unnormalised non-negative ``weights`` [V], by inverting the cumulative sum
     (about 20x cheaper than ``torch.multinomial`` over a 49k vocabulary on CPU). A zero-weight id

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.spec import rejection_sample
+from engine.spec import NonFiniteProbabilities, greedy_verdict, rejection_sample
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -91,3 +92,29 @@ def test_drafts_past_a_device_side_cutoff_are_never_accepted():
     # draft 0 kept then p_1's token, or resampled at row 0; counting draft 1 would give (0, 1, 0)
     assert {tuple(v.token_ids) for v in outcomes} == {(0, 1), (1,)}
     assert all(v.num_proposed == 1 and v.num_accepted <= 1 for v in outcomes)
+
+
+def test_the_greedy_verdict_is_the_rejection_samplers_on_one_hot_targets_whatever_the_drafts_q():
+    """At temperature 0 the engine takes greedy_verdict; it must be rejection_sample's verdict for
+    p one-hot at the target's tokens, for deterministic and sampled drafts, with and without a cutoff."""
+    vocab = 6
+    for seed in range(300):
+        g = gen(seed)
+        k = int(torch.randint(0, 5, (), generator=g))
+        target_tokens = torch.randint(0, vocab, (k + 1,), generator=g)  # [k+1]
+        drafts = torch.where(
+            torch.rand(k, generator=g) < 0.6, target_tokens[:k], torch.randint(0, vocab, (k,), generator=g)
+        )
+        q = None if seed % 2 else torch.softmax(torch.randn(k, vocab, generator=g), -1)  # [k, V]
+        if q is not None:  # a draft drawn from q has mass under it
+            q[torch.arange(k), drafts] += 0.1
+            q = q / q.sum(-1, keepdim=True)
+        cutoff = torch.tensor(int(torch.randint(0, k + 1, (), generator=g))) if seed % 3 == 0 else None
+        p = torch.eye(vocab)[target_tokens]  # [k+1, V]
+        expected = rejection_sample(drafts, q, p, gen(seed + 1000), cutoff)
+        assert greedy_verdict(drafts, target_tokens, torch.tensor(True), cutoff) == expected
+
+
+def test_the_greedy_verdict_refuses_non_finite_logits():
+    with pytest.raises(NonFiniteProbabilities):
+        greedy_verdict(torch.tensor([1]), torch.tensor([1, 2]), torch.tensor(False))
