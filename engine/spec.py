@@ -65,11 +65,7 @@ def rejection_sample(
     next_from = torch.where(all_passed, p.index_select(0, at), candidates.index_select(0, at))[0]  # [V]
     total = next_from.sum()  # []
     usable = torch.isfinite(total) & (total > 0)  # NaN anywhere in the row poisons the sum
-    head = torch.stack([num_accepted, sample_one(next_from, generator), usable.long(), num_proposed.long()])  # [4]
-    num, token, ok, proposed, *drafts = torch.cat([head, draft_tokens]).tolist()
-    if not ok:
-        raise NonFiniteProbabilities("the target's probabilities are not finite (NaN or inf in the logits)")
-    return Verdict(num, drafts[:num] + [token], proposed)
+    return _verdict(num_accepted, sample_one(next_from, generator), usable, num_proposed, draft_tokens)
 
 
 def greedy_verdict(
@@ -91,11 +87,23 @@ def greedy_verdict(
         matched &= rows < num_proposed
     num_accepted = matched.long().cumprod(0).sum()  # []
     token = target_tokens.index_select(0, num_accepted.view(1))[0]  # []
-    head = torch.stack([num_accepted, token, finite.long(), num_proposed.long()])  # [4]
-    num, token, ok, proposed, *drafts = torch.cat([head, draft_tokens]).tolist()
+    return _verdict(num_accepted, token, finite, num_proposed, draft_tokens)
+
+
+def _verdict(
+    num_accepted: torch.Tensor,
+    token: torch.Tensor,
+    usable: torch.Tensor,
+    num_proposed: torch.Tensor,
+    drafts: torch.Tensor,
+) -> Verdict:
+    """The step's one transfer to the host: the number accepted, the next token, whether the
+    target's distribution was usable, n, and the drafts themselves ([] each, drafts [k])."""
+    head = torch.stack([num_accepted, token, usable.long(), num_proposed.long()])  # [4]
+    num, token_id, ok, proposed, *draft_ids = torch.cat([head, drafts]).tolist()
     if not ok:
         raise NonFiniteProbabilities("the target's probabilities are not finite (NaN or inf in the logits)")
-    return Verdict(num, drafts[:num] + [token], proposed)
+    return Verdict(num, draft_ids[:num] + [token_id], proposed)
 
 
 def sample_one(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
