@@ -49,11 +49,7 @@ def rejection_sample(
     p_x, q_x = p[rows, draft_tokens], q[rows, draft_tokens]  # [k], [k]
     u = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)  # [k]
     accepted = u * q_x < p_x  # [k]; u < p/q without dividing by q
-    if num_proposed is None:
-        num_proposed = torch.full((), k, dtype=torch.long, device=p.device)  # [] (a fill: no host-to-device copy)
-    else:
-        accepted &= rows < num_proposed  # drafts past n were never proposed
-    num_accepted = accepted.long().cumprod(0).sum()  # [] the first rejection's position, or n
+    num_accepted, num_proposed = _accepted_prefix(accepted, num_proposed)  # [], []
     residual = (p[:k] - q).clamp_min(0)  # [k, V] where to resample after a rejection at row i
     # p_i == q_i leaves no residual; a rejection there has probability zero, but guard rounding.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
@@ -78,16 +74,22 @@ def greedy_verdict(
     q is: min(1, p/q) accepts x_i exactly when x_i is the target's token, and norm(max(0, p_i - q_i))
     is one-hot at it again, so the kept drafts are the longest prefix matching the target's tokens,
     then the target's token after them. No draws and no [k+1, V] rows; one transfer to the host."""
-    k = draft_tokens.shape[0]
-    rows = torch.arange(k, device=draft_tokens.device)
-    matched = draft_tokens == target_tokens[:k]  # [k]
-    if num_proposed is None:
-        num_proposed = torch.full((), k, dtype=torch.long, device=draft_tokens.device)  # []
-    else:
-        matched &= rows < num_proposed
-    num_accepted = matched.long().cumprod(0).sum()  # []
+    matched = draft_tokens == target_tokens[: draft_tokens.shape[0]]  # [k]
+    num_accepted, num_proposed = _accepted_prefix(matched, num_proposed)  # [], []
     token = target_tokens.index_select(0, num_accepted.view(1))[0]  # []
     return _verdict(num_accepted, token, finite, num_proposed, draft_tokens)
+
+
+def _accepted_prefix(accepted: torch.Tensor, num_proposed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """accepted [k] bool, each draft's own test -> (how many drafts are kept [], n []): the drafts
+    before the first that failed, none past n (drafts past a device-side cutoff were never
+    proposed); n is k where ``num_proposed`` is None (a fill: no host-to-device copy)."""
+    k = accepted.shape[0]
+    if num_proposed is None:
+        num_proposed = torch.full((), k, dtype=torch.long, device=accepted.device)  # []
+    else:
+        accepted = accepted & (torch.arange(k, device=accepted.device) < num_proposed)  # [k]
+    return accepted.long().cumprod(0).sum(), num_proposed
 
 
 def _verdict(
