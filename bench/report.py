@@ -105,13 +105,12 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         entry["met"] = {name: entry[name] >= goal for name, goal in goals.items()}
         targets[kind] = entry
     if targets:
-        ratios = [entry["default_vs_target_only"] for entry in targets.values()]
-        geomean = round(statistics.geometric_mean(ratios), 3)
+        by_type = list(targets.values())
+        geomean = round(statistics.geometric_mean([entry["default_vs_target_only"] for entry in by_type]), 3)
         targets["all"] = {"default_vs_target_only_geomean": geomean, "met": geomean >= GOAL_DEFAULT_GEOMEAN}
         for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp"):  # the same file and threads
-            if all(name in entry for entry in targets.values() if entry is not targets["all"]):
-                ratios = [entry[name] for kind, entry in targets.items() if kind != "all"]
-                targets["all"][f"{name}_geomean"] = round(statistics.geometric_mean(ratios), 3)
+            if all(name in entry for entry in by_type):
+                targets["all"][f"{name}_geomean"] = round(statistics.geometric_mean([e[name] for e in by_type]), 3)
     return targets
 
 
