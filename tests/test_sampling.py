@@ -35,6 +35,37 @@ def test_top_p_keeps_smallest_set_reaching_mass():
     assert (probs > 0).sum() == 2 and full[:2].sum() >= 0.7
 
 
+def sorted_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition, by a full sort: a token stays when the mass ahead of it is under top_p."""
+    values, order = probs.sort(dim=-1, descending=True)
+    drop = values.cumsum(-1) - values >= top_p
+    drop[:, 0] = False
+    return torch.zeros_like(probs).scatter_(-1, order, values.masked_fill(drop, 0.0))
+
+
+@pytest.mark.parametrize("sharpness", [8.0, 3.0, 1.0, 0.05])
+def test_top_p_over_a_few_candidates_keeps_what_a_full_sort_keeps(sharpness, monkeypatch):
+    """The partial top-k path agrees bit for bit with sorting the whole row, whether the kept set
+    lies within the first rung (peaked rows), needs the second, or only the full sort finds it (a
+    nearly flat row), with rows of zeros (after top_k) among them."""
+    import engine.sampling as sampling
+
+    generator = torch.Generator().manual_seed(int(sharpness * 100))
+    logits = torch.randn(5, 49152, generator=generator) * sharpness  # [T, V]
+    logits[1, 300:] = float("-inf")  # top_k leaves a few hundred tokens with mass
+    probs = torch.softmax(logits, -1)
+    rungs = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, **kw: rungs.append(k) or real_topk(self, k, **kw))
+    for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
+        rungs.clear()
+        assert torch.equal(sampling._top_p(probs, top_p), sorted_top_p(probs, top_p)), top_p
+        if sharpness == 8.0 and top_p <= 0.95:
+            assert rungs == [256]  # peaked: the first rung suffices
+        if sharpness == 0.05:
+            assert rungs == list(sampling.TOP_P_CANDIDATES)  # flat: every rung falls short, then the sort
+
+
 def test_min_p_drops_tokens_below_fraction_of_max():
     probs = sampler(min_p=0.3).probs(LOGITS)[0]
     assert (probs > 0).tolist() == [True, True, False, False, False, False]
