@@ -5,7 +5,7 @@ replica on the same cores make that count wrong; and an OpenMP team that spins w
 holds cores another process needs, so two processes on the same cores slow each other down far
 more than sharing alone would. So the thread count follows the CPUs this process may really use,
 and the team spins briefly before it sleeps: 3,000 spins, some 40-80 microseconds, long enough to
-bridge most gaps between a step's parallel regions (waking a worker that slept cost 50-80
+bridge most gaps between a step's parallel regions (waking a worker that slept cost 40-80
 microseconds on this project's machine, and a step crosses dozens of such gaps), too short to hold
 cores through the gaps between steps or requests (measured in docs/deployment.md, "Threads").
 """
