@@ -132,19 +132,10 @@ def test_probes_take_a_text_match_of_a_length_unused_lately_and_a_draft_model_wi
         {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@2": 0.1, "model": 0.9, "staged": 0.5}
     )
     auto._request.step = 17  # every candidate and match length unused for more than 16 steps
-    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("suffix", 1)  # the first token of the offer
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("suffix", 3)
     auto._request.last_tried["suffix@2"] = 17
     auto._request.step = 18
     assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 1)
-
-
-def test_a_proposal_cut_to_its_first_drafts_keeps_their_distributions_and_cutoff():
-    probs = torch.softmax(torch.randn(4, 6), -1)  # [k, V]
-    proposal = Proposal(torch.tensor([3, 1, 4, 1]), probs, "suffix", torch.tensor(3))
-    cut = proposal.first(2)
-    assert cut.token_ids.tolist() == [3, 1] and torch.equal(cut.probs, probs[:2])
-    assert int(cut.num_proposed) == 2 and cut.drafter == "suffix"
-    assert proposal.first(4) is proposal and Proposal(torch.tensor([7]), None).first(1).probs is None
 
 
 def test_a_draft_model_is_not_tried_at_once_in_a_request():

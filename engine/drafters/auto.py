@@ -27,8 +27,8 @@ whole prompt; after another candidate's run, a few tokens): that catch-up, at it
 of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long
 prompt is not prefilled into a draft that cannot win it back. (A draft that copies the target's
 keys and values, ``draft_kv``, has nothing to catch up on.) A draft model unused for
-``probe_every`` steps is tried with one token, and the first token of an offer continuing a match
-of a length unused as long is taken, so acceptance stays current at the cost of a verify row.
+``probe_every`` steps is tried with one token, and an offer continuing a match of a length unused
+as long is taken, so acceptance stays current at a bounded cost.
 
 Every choice depends only on earlier steps and the committed tokens, never on the current step's
 random draws, so the output is still distributed exactly as the target's.
@@ -94,7 +94,6 @@ class _Request:
 class AutoDrafter(Drafter):
     name = "auto"
     probe_every = PROBE_EVERY  # steps after which an unused candidate (or match length) is tried again
-    probe_tokens = 1  # what a probe drafts: its first token's fate is the acceptance evidence it is for
 
     def __init__(self, candidates: dict[str, Drafter], resources: DraftResources | None = None) -> None:
         self.candidates = candidates
@@ -169,7 +168,6 @@ class AutoDrafter(Drafter):
         proposal = Proposal.empty(sampler.device)
         if name in offers:
             proposal, choice.track = offers[name]
-            proposal = proposal.first(k)  # a probe takes less than the whole offer
         elif name is not None and k > 0:
             proposal, choice.track = self.candidates[name].propose(token_ids, k, sampler), name
         if choice.track is not None:
@@ -324,17 +322,15 @@ class AutoDrafter(Drafter):
         if not self.verify.knows(0):
             return None, 0  # and plain decoding once
         plain_step = self.verify.verify_cost(0)
-        # Probes keep acceptance current at the cost of one drafted token each: the first token of a
-        # text match of a length unused for a while, and a draft model's, if it need not catch up
-        # much first. (A whole offer would cost a verify row per token, on text where that match
-        # length has not been paying.)
+        # Probes keep acceptance current: a text match of a length unused for a while is taken (its
+        # rows are its only cost); a draft model drafts one token, if it need not catch up much first.
         for name, (proposal, track) in offers.items():
             if request.step - request.last_tried.get(track, 0) > self.probe_every:
-                return name, min(self.probe_tokens, proposal.token_ids.shape[0])
+                return name, proposal.token_ids.shape[0]
         catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.draft_costs}
         for name in self.draft_costs:
             if catch_up[name] <= plain_step and request.step - request.last_tried.get(name, 0) > self.probe_every:
-                return name, self.probe_tokens
+                return name, 1
         # A draft model's step must beat text matching's pace over the last few steps, not only this
         # step's offer: where the text repeats, a plain step leads to the next match sooner than
         # drafting four tokens would.
