@@ -215,7 +215,7 @@ def summary(report: dict, full_tables: str) -> str:
             f"Default over target-only, geometric mean: {targets['all']['default_vs_target_only_geomean']:.2f}x.",
         ]
     if not has_llama:
-        lines += ["", "llama.cpp: not measured in this run (llama-cpp-python was not importable)."]
+        lines += ["", "llama.cpp: not measured in this run (`--serve-only`, or llama-cpp-python not importable)."]
     elif "default_vs_llama_cpp_geomean" in targets.get("all", {}):
         every = targets["all"]
         lines += [
