@@ -155,6 +155,12 @@ class HFRunner:
         return run
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation as the chat template renders it, ready for the assistant's turn: token ids."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
 class EngineRunner:
     """The engine in this process, from an empty cache each run (no prefix reuse)."""
 

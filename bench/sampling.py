@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine.sampling as sampling  # noqa: E402
 from bench.host import host  # noqa: E402
+from bench.runners import chat_ids  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
 from engine.request import Request  # noqa: E402
@@ -88,9 +89,7 @@ def main() -> None:
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
     results = []
     for kind in ("chat", "code"):
-        chat = [{"role": "user", "content": prompts[kind][0]}]
-        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
+        prompt_ids = chat_ids(tokenizer, [{"role": "user", "content": prompts[kind][0]}])
         for setting, params in SETTINGS.items():
             for drafter in DRAFTERS:
                 speeds: dict[str, list[float]] = {form: [] for form in FORMS}

@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from host import cpu, measure_read_bandwidth  # noqa: E402
 from report import plot, summarise, summary, tables, update_readme  # noqa: E402
-from runners import EngineRunner, HFRunner, LlamaCppRunner, Run, ServerRunner  # noqa: E402
+from runners import EngineRunner, HFRunner, LlamaCppRunner, Run, ServerRunner, chat_ids  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import build_engine  # noqa: E402
@@ -207,8 +207,7 @@ def measure(
                 for turn, user_text in enumerate(conversation.turns):
                     for config in configs:  # interleaved: every configuration on this turn, then the next
                         messages = histories[config.label] + [{"role": "user", "content": user_text}]
-                        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                        prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
+                        prompt_ids = chat_ids(tokenizer, messages)
                         user = f"{config.label}#{repeat}"  # one tenant per configuration and repeat
                         run = run_one(config, runners, prompt_ids, args.max_tokens, user)
                         if run.text is None:

@@ -31,7 +31,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import host  # noqa: E402
-from bench.runners import ServerRunner  # noqa: E402
+from bench.runners import ServerRunner, chat_ids  # noqa: E402
 from engine.loader import load_tokenizer  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -76,9 +76,7 @@ def main() -> None:
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
     prompt_ids = {}
     for kind in KINDS:
-        chat = [{"role": "user", "content": prompts[kind][0]}]
-        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        prompt_ids[kind] = tokenizer(rendered, add_special_tokens=False).input_ids
+        prompt_ids[kind] = chat_ids(tokenizer, [{"role": "user", "content": prompts[kind][0]}])
     servers: dict[str, ServerRunner] = {}
     speeds: dict[str, dict[str, dict[str, list[float]]]] = {
         spin: {drafter: {kind: [] for kind in KINDS} for drafter in drafters} for spin in spins
