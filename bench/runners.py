@@ -168,9 +168,18 @@ class EngineRunner:
         self.engine = engine
         self.rss = PeakRSS(os.getpid())
 
-    def run(self, drafter: str, adaptive_k: bool, prompt_ids: list[int], max_tokens: int, user: str = "") -> Run:
+    def run(
+        self,
+        drafter: str,
+        adaptive_k: bool,
+        prompt_ids: list[int],
+        max_tokens: int,
+        user: str = "",
+        sampling: dict | None = None,
+    ) -> Run:
+        """``sampling``: the request's sampling fields (temperature, top_p, seed...); None: greedy."""
         self.engine.reset()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        params = SamplingParams(max_tokens=max_tokens, **(sampling or {"temperature": 0.0}))
         drafter = None if drafter == "default" else drafter
         request = Request("bench", prompt_ids, params, drafter=drafter, adaptive_k=adaptive_k, tenant=user)
         self.rss.reset()

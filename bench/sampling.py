@@ -5,7 +5,8 @@ For each sampling setting (the embedded model's own defaults, temperature 0.2 an
 every request that sets neither gets; temperature 0.8 with top_p 0.95; and temperature 0.8 alone,
 where top_p does nothing and the two forms must match):
 1. decodes 96 tokens in-process per prompt and drafter (target-only and the default ``auto``), the
-   two forms alternating round by round with the same seeds, and checks that target-only writes the
+   two forms alternating round by round with the same seeds, each request its own tenant (so no run
+   drafts from another's output in the suffix cache), and checks that target-only writes the
    same tokens with both (``auto`` asked for by name chooses by timings, so its draws, and with
    them its tokens, differ between any two runs: docs/api.md, Seeds);
 2. times ``RequestSampler.probs`` over a verify's k + 1 = 5 rows of the target's own logits on
@@ -32,10 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine.sampling as sampling  # noqa: E402
 from bench.host import host  # noqa: E402
-from bench.runners import chat_ids  # noqa: E402
+from bench.runners import EngineRunner, chat_ids  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
-from engine.request import Request  # noqa: E402
 from engine.sampling import RequestSampler, SamplingParams  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -46,17 +46,6 @@ SETTINGS = {
     "temperature 0.8": {"temperature": 0.8},
 }
 DRAFTERS = ("none", "auto")
-
-
-def decode(engine, prompt_ids: list[int], params: dict, drafter: str, seed: int, max_tokens: int):
-    """(tokens, decode tokens/s after the first arrival) of one in-process request."""
-    engine.reset()
-    request = Request("bench", prompt_ids, SamplingParams(max_tokens=max_tokens, seed=seed, **params), drafter=drafter)
-    tokens, times = [], []
-    for output in engine.generate(request):
-        tokens += output.token_ids
-        times.append(time.perf_counter())
-    return tokens, (len(tokens) - 1) / max(times[-1] - times[0], 1e-9)
 
 
 def probs_ms(engine, prompt_ids: list[int], answer: list[int], params: dict, repeats: int = 50) -> dict[str, float]:
@@ -86,6 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_engine(EngineConfig(max_model_len=2048), show_progress=False)
     engine, tokenizer = loaded.engine, loaded.tokenizer
+    runner = EngineRunner(engine)
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
     results = []
     for kind in ("chat", "code"):
@@ -99,8 +89,12 @@ def main() -> None:
                     written = {}
                     for form in order:
                         sampling.TOP_P_CANDIDATES = FORMS[form]
-                        written[form], speed = decode(engine, prompt_ids, params, drafter, round_index, args.max_tokens)
-                        speeds[form].append(speed)
+                        user = f"{kind}-{setting}-{drafter}-{form}-{round_index}"  # nothing replayed from another run
+                        run = runner.run(
+                            drafter, False, prompt_ids, args.max_tokens, user, {"seed": round_index, **params}
+                        )
+                        written[form] = run.token_ids
+                        speeds[form].append(round(run.decode_tokens_per_s, 1))
                     same = same and written["sort"] == written["candidates"]
                 medians = {form: round(statistics.median(values), 1) for form, values in speeds.items()}
                 entry = {"prompt": kind, "setting": setting, "drafter": drafter, "tokens_per_s": medians}

@@ -90,7 +90,7 @@ def main() -> None:
             for kind in KINDS:
                 for drafter in drafters:
                     for spin in spins if round_index % 2 == 0 else spins[::-1]:
-                        user = f"spin-{spin}-{drafter}-{round_index}"  # one tenant per run
+                        user = f"spin-{spin}-{drafter}-{kind}-{round_index}"  # one tenant per run
                         run = servers[spin].run(drafter, False, prompt_ids[kind], args.max_tokens, user)
                         speeds[spin][drafter][kind].append(round(run.decode_tokens_per_s, 1))
             print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
