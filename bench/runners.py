@@ -155,6 +155,15 @@ class HFRunner:
         return run
 
 
+def first_turn(entry: str | dict) -> list[dict]:
+    """A bench/prompts.yaml entry's first request: the prompt, or a conversation's system prompt and
+    first user turn."""
+    if isinstance(entry, str):
+        return [{"role": "user", "content": entry}]
+    opening = [{"role": "system", "content": entry["system"]}] if entry.get("system") else []
+    return opening + [{"role": "user", "content": entry["turns"][0]}]
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """A conversation as the chat template renders it, ready for the assistant's turn: token ids."""
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -131,11 +131,40 @@ def test_probes_take_a_text_match_of_a_length_unused_lately_and_a_draft_model_wi
     auto = priced_auto(
         {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@2": 0.1, "model": 0.9, "staged": 0.5}
     )
-    auto._request.step = 17  # every candidate and match length unused for more than 16 steps
-    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("suffix", 3)
-    auto._request.last_tried["suffix@2"] = 17
-    auto._request.step = 18
-    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 1)
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 4)  # on merit
+    auto._request.step = 17  # 16 steps unused would make a track at acceptance 0.5 due, not one at 0.1
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 4)
+    auto._request.step = 81  # 80 steps make it due
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("suffix", 1)  # the first token of the offer
+    auto._request.last_tried["suffix@2"] = 81
+    auto._request.step = 82
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 4)  # the best needs no probe
+    auto._request.alpha["model"] = 0.05
+    auto._request.last_tried["staged"] = auto._request.last_tried["suffix@2"] = 200
+    auto._request.step = 200
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 1)  # a probe, one token
+
+
+def test_a_weak_text_match_is_taken_cut_to_the_tokens_that_pay():
+    """Where each verify row costs a third of a step, a match at acceptance 0.5 pays at one token
+    (1.5 tokens for 1.33 steps) and not at four (1.94 tokens for 2.33 steps)."""
+    auto = priced_auto(
+        {0: 0.030, 1: 0.040, 2: 0.050, 3: 0.060, 4: 0.070}, 0.010, {"suffix@2": 0.5, "model": 0.05, "staged": 0.05}
+    )
+    assert auto._choose([1, 2, 3], 4, offer(4, 2)) == ("suffix", 1)
+    auto._request.alpha["suffix@2"] = 0.95
+    assert auto._choose([1, 2, 3], 4, offer(4, 2)) == ("suffix", 4)
+    auto._request.alpha["suffix@2"] = 0.2
+    assert auto._choose([1, 2, 3], 4, offer(4, 2)) == (None, 0)
+
+
+def test_a_proposal_cut_to_its_first_drafts_keeps_their_distributions_and_cutoff():
+    probs = torch.softmax(torch.randn(4, 6), -1)  # [k, V]
+    proposal = Proposal(torch.tensor([3, 1, 4, 1]), probs, "suffix", torch.tensor(3))
+    cut = proposal.first(2)
+    assert cut.token_ids.tolist() == [3, 1] and torch.equal(cut.probs, probs[:2])
+    assert int(cut.num_proposed) == 2 and cut.drafter == "suffix"
+    assert proposal.first(4) is proposal and Proposal(torch.tensor([7]), None).first(1).probs is None
 
 
 def test_a_draft_model_is_not_tried_at_once_in_a_request():

@@ -26,9 +26,9 @@ whole prompt; after another candidate's run, a few tokens): that catch-up, at it
 (per token of a prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part
 of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long
 prompt is not prefilled into a draft that cannot win it back. (A draft that copies the target's
-keys and values, ``draft_kv``, has nothing to catch up on.) A draft model unused for
-``probe_every`` steps is tried with one token, and an offer continuing a match of a length unused
-as long is taken, so acceptance stays current at a bounded cost.
+keys and values, ``draft_kv``, has nothing to catch up on.) Where the step's best is another, a
+draft model unused for a while (``probe_every`` steps at acceptance 0.5; longer below, sooner above)
+drafts one token, as does a text match of a length unused as long: acceptance stays current.
 
 Every choice depends only on earlier steps and the committed tokens, never on the current step's
 random draws, so the output is still distributed exactly as the target's.
@@ -55,6 +55,7 @@ HORIZON = 64  # tokens over which a candidate's catch-up is paid back
 PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of evidence
 EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
+PROBE_ALPHA = 0.5  # the acceptance at which an unused track is probed after probe_every steps
 
 
 def match_track(name: str, match_length: int) -> str:  # suffix@4: a match of 4 to 7 tokens
@@ -168,6 +169,7 @@ class AutoDrafter(Drafter):
         proposal = Proposal.empty(sampler.device)
         if name in offers:
             proposal, choice.track = offers[name]
+            proposal = proposal.first(k)  # its best length, or one token for a probe
         elif name is not None and k > 0:
             proposal, choice.track = self.candidates[name].propose(token_ids, k, sampler), name
         if choice.track is not None:
@@ -240,20 +242,20 @@ class AutoDrafter(Drafter):
         return min(bias * expected_tokens(self._alpha(track), k), k + 1.0)
 
     def _text_step(self, offers: dict[str, tuple[Proposal, str]]) -> tuple[tuple[str | None, int], float, float]:
-        """The best of the text matchers' offers and a plain step, by expected tokens per second:
-        ((candidate, k), expected tokens, seconds)."""
+        """The best of the text matchers' offers (whole, or their first k tokens: where a verify row
+        costs a large part of a step, a weak match pays at one token and not at four) and a plain
+        step, by expected tokens per second: ((candidate, k), expected tokens, seconds)."""
         best, tokens, seconds = (None, 0), 1.0, self.verify.verify_cost(0)
         for name, (proposal, track) in offers.items():
-            drafted = proposal.token_ids.shape[0]
-            offered, cost = self._tokens(track, drafted), self.verify.verify_cost(drafted)
-            if offered / cost > tokens / seconds:
-                best, tokens, seconds = (name, drafted), offered, cost
+            for k in range(1, proposal.token_ids.shape[0] + 1):
+                offered, cost = self._tokens(track, k), self.verify.verify_cost(k)
+                if offered / cost > tokens / seconds:
+                    best, tokens, seconds = (name, k), offered, cost
         return best, tokens, seconds
 
     def _offers(self, token_ids: list[int], limit: int, sampler: RequestSampler) -> dict[str, tuple[Proposal, str]]:
-        """What each text matcher would draft now (up to ``limit`` tokens), with the track its
-        acceptance is read from; matchers that found nothing are left out. Deterministic and cheap
-        (a table lookup), so it is asked before choosing."""
+        """What each text matcher that found something would draft now (up to ``limit`` tokens), with
+        the track its acceptance is read from: a table lookup, cheap enough to ask before choosing."""
         offers = {}
         for name, candidate in self.candidates.items():
             if limit > 0 and not self._reads(name):
@@ -263,11 +265,9 @@ class AutoDrafter(Drafter):
         return offers
 
     def expect_catch_up(self, seconds_per_token: float, seconds_per_extra_row: float | None = None) -> None:
-        """Start-up's measures of a draft model's reading cost: per token of a long prefill (until
-        requests measure it), and per row beyond the first of a short one. Without the first, a
-        catch-up would be priced at a draft step per token, several times too much, and a draft
-        model would never be tried on a request whose prompt it has not read. The second prices the
-        few tokens a draft model must read after another candidate's run was accepted."""
+        """Start-up's measures of a draft model's reading cost: per token of a long prefill (else a
+        draft step per token, several times too much, would keep it off any prompt it has not read),
+        and per row beyond the first of a short read (the tokens another candidate got accepted)."""
         for name in self.candidates:
             if self._reads(name):
                 self.catch_up.setdefault(name, seconds_per_token)
@@ -321,19 +321,9 @@ class AutoDrafter(Drafter):
                 return name, limit
         if not self.verify.knows(0):
             return None, 0  # and plain decoding once
-        plain_step = self.verify.verify_cost(0)
-        # Probes keep acceptance current: a text match of a length unused for a while is taken (its
-        # rows are its only cost); a draft model drafts one token, if it need not catch up much first.
-        for name, (proposal, track) in offers.items():
-            if request.step - request.last_tried.get(track, 0) > self.probe_every:
-                return name, proposal.token_ids.shape[0]
         catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.draft_costs}
-        for name in self.draft_costs:
-            if catch_up[name] <= plain_step and request.step - request.last_tried.get(name, 0) > self.probe_every:
-                return name, 1
         # A draft model's step must beat text matching's pace over the last few steps, not only this
-        # step's offer: where the text repeats, a plain step leads to the next match sooner than
-        # drafting four tokens would.
+        # step's offer: where the text repeats, a plain step reaches the next match sooner.
         best, tokens, seconds = self._text_step(offers)  # or a plain step
         paced_tokens, paced_seconds = request.text_pace
         best_rate = max(tokens / seconds, paced_tokens / paced_seconds if paced_seconds else 0.0)
@@ -343,7 +333,18 @@ class AutoDrafter(Drafter):
                 seconds = k * costs.draft + self.verify.verify_cost(k) + catch_up[name] * tokens / HORIZON
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
-        return best
+        # Probes keep acceptance current where the best is another, at one drafted token: a text match
+        # of a length unused for a while (probe_every steps at acceptance 0.5, longer for a weaker
+        # track: a probe is worth its chance to hold), then a draft model that need not catch up much.
+        tracks = {name: track for name, (_, track) in offers.items()} | {name: name for name in self.draft_costs}
+        plain_step, due = self.verify.verify_cost(0), self.probe_every * PROBE_ALPHA
+        stale = [
+            name
+            for name, track in tracks.items()
+            if (request.step - request.last_tried.get(track, 0)) * self._alpha(track) > due
+            and catch_up.get(name, 0) <= plain_step
+        ]
+        return next(((name, 1) for name in stale if name != best[0]), best)
 
 
 @register("auto", AutoDrafter)

@@ -31,6 +31,14 @@ class Proposal:
     def empty(device: torch.device) -> Proposal:
         return Proposal(torch.empty(0, dtype=torch.long, device=device), None)
 
+    def first(self, k: int) -> Proposal:
+        """The proposal cut to its first ``k`` drafts (itself when it has no more)."""
+        if self.token_ids.shape[0] <= k:
+            return self
+        probs = None if self.probs is None else self.probs[:k]  # [k, V]
+        cutoff = None if self.num_proposed is None else self.num_proposed.clamp_max(k)  # []
+        return Proposal(self.token_ids[:k], probs, self.drafter, cutoff)
+
 
 @dataclass(frozen=True, slots=True)
 class OwnCosts:
