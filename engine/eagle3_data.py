@@ -31,7 +31,8 @@ def regenerate(generator_model, tokenizer, prompts: list[dict], settings: TrainS
     done = [json.loads(line) for line in store.read_text().splitlines()] if store.is_file() else []
     jobs = [(sample, index) for sample in range(settings.samples) for index in range(len(prompts))]
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    bar = tqdm(total=len(jobs), initial=len(done), desc="eagle3: target answers", unit="conv")
+    # disable=False: the CLI turns library bars off (TQDM_DISABLE), not the bars of its own long jobs
+    bar = tqdm(total=len(jobs), initial=len(done), desc="eagle3: target answers", unit="conv", disable=False)
     try:
         first = len(done)
         while first < len(jobs):
@@ -89,7 +90,7 @@ def collect_features(target: CausalLM, conversations: list[dict], aux_layers: tu
     final hidden states [N, E] (bfloat16 on the host: half the memory, plenty for a target)."""
     target.keep_features(aux_layers)
     rows = []
-    for conversation in tqdm(conversations, desc="eagle3: target features", unit="conv"):
+    for conversation in tqdm(conversations, desc="eagle3: target features", unit="conv", disable=False):
         ids = conversation["ids"][: target.max_len]
         target.cache.rollback(0)
         target.extend(ids, num_logits=len(ids))

@@ -177,7 +177,7 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
         schedule.load_state_dict(state["schedule"])
     history: list[list[float]] = []
     recent: list[float] = []
-    bar = tqdm(total=total_steps, initial=step, desc="eagle3: training", unit="step")
+    bar = tqdm(total=total_steps, initial=step, desc="eagle3: training", unit="step", disable=False)
     head.train()
     while step < total_steps:
         epoch, index = divmod(step, batches_per_epoch)

@@ -5,6 +5,9 @@ teaches the head the target's next tokens."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import torch
 from safetensors.torch import load_file
@@ -124,3 +127,33 @@ def test_training_teaches_the_head_the_targets_next_tokens():
     with torch.no_grad():
         after = unrolled_loss(head, target, batch, target_rows, 3)[1]
     assert all(a > b + 0.2 for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_the_command_shows_its_progress_bars_though_library_bars_are_off(tmp_path):
+    """The CLI sets TQDM_DISABLE before anything imports (no library's bars on a server's log);
+    train-eagle3's own bars, with their ETA, must still show."""
+    from tests.conftest import REPO
+
+    model_dir = save_tiny(tmp_path / "target", seed=3, tokenizer=byte_tokenizer(), layers=6, init=0.2)
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in SMALL.items()]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "train-eagle3",
+            "--target",
+            str(model_dir),
+            "--out",
+            str(tmp_path / "head"),
+        ]
+        + flags,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for bar in ("eagle3: target answers", "eagle3: target features", "eagle3: training"):
+        assert re.search(re.escape(bar) + r":\s+100%.*<00:00", result.stderr), f"no finished {bar!r} bar with an ETA"
