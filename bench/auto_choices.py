@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -30,7 +31,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import host  # noqa: E402
-from bench.runners import EngineRunner, chat_ids, first_turn  # noqa: E402
+from bench.runners import Conversation, EngineRunner, chat_ids  # noqa: E402
 from engine.adaptive import StepCosts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.drafters.auto import AutoDrafter  # noqa: E402
@@ -73,7 +74,7 @@ def main() -> None:
     for kind, entries in prompts.items():
         total = Counter()
         for index, entry in enumerate(entries):
-            prompt_ids = chat_ids(loaded.tokenizer, first_turn(entry))
+            prompt_ids = chat_ids(loaded.tokenizer, Conversation.of(entry).first_request())
             for repeat in range(args.repeats):
                 steps.clear()
                 run = runner.run("default", False, prompt_ids, args.max_tokens, f"{kind}{index}#{repeat}", sampling)
@@ -91,10 +92,7 @@ def main() -> None:
             "vs_target_only": round(1000 * (fixed + per_row) / ms_per_token, 3),
         }
         print(kind, by_type[kind], flush=True)
-    ratios = [row["vs_target_only"] for row in by_type.values()]
-    geomean = 1.0
-    for ratio in ratios:
-        geomean *= ratio ** (1 / len(ratios))
+    geomean = statistics.geometric_mean([row["vs_target_only"] for row in by_type.values()])
     out = BENCH / "results" / f"auto_choices{'-' + args.name if args.name else ''}.json"
     results = json.loads(out.read_text()) if out.is_file() else {}
     results[f"temperature {args.temperature}"] = {

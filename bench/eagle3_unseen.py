@@ -21,7 +21,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import host  # noqa: E402
-from bench.runners import chat_ids, first_turn  # noqa: E402
+from bench.runners import Conversation, chat_ids  # noqa: E402
 from engine.eagle3_data import collect_features, make_batch  # noqa: E402
 from engine.eagle3_head import default_aux_layers, load_head, shipped_head  # noqa: E402
 from engine.eagle3_training import unrolled_loss  # noqa: E402
@@ -72,7 +72,9 @@ def main() -> None:
     conversations, firsts, names = [], [], []
     for kind, texts in prompts.items():
         for index, text in enumerate(texts):
-            prompt_ids = chat_ids(tokenizer, first_turn(text))[: target.max_len - args.max_tokens - 2]
+            prompt_ids = chat_ids(tokenizer, Conversation.of(text).first_request())[
+                : target.max_len - args.max_tokens - 2
+            ]
             answer = greedy_answer(target, prompt_ids, args.max_tokens)
             conversations.append({"ids": prompt_ids + answer, "answer": [0] * len(prompt_ids) + [1] * len(answer)})
             firsts.append(len(prompt_ids))

@@ -155,13 +155,22 @@ class HFRunner:
         return run
 
 
-def first_turn(entry: str | dict) -> list[dict]:
-    """A bench/prompts.yaml entry's first request: the prompt, or a conversation's system prompt and
-    first user turn."""
-    if isinstance(entry, str):
-        return [{"role": "user", "content": entry}]
-    opening = [{"role": "system", "content": entry["system"]}] if entry.get("system") else []
-    return opening + [{"role": "user", "content": entry["turns"][0]}]
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    opening: tuple[dict, ...]  # messages before the first measured turn (a system prompt)
+    turns: tuple[str, ...]  # user messages, one request each
+
+    @staticmethod
+    def of(entry: str | dict) -> Conversation:
+        """A single prompt is a one-turn conversation; a sequence has a system prompt and turns."""
+        if isinstance(entry, str):
+            return Conversation((), (entry,))
+        opening = ({"role": "system", "content": entry["system"]},) if entry.get("system") else ()
+        return Conversation(opening, tuple(entry["turns"]))
+
+    def first_request(self) -> list[dict]:
+        """The messages of its first request: the opening, then the first user turn."""
+        return [*self.opening, {"role": "user", "content": self.turns[0]}]
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:

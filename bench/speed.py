@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from host import cpu, measure_read_bandwidth  # noqa: E402
 from report import plot, summarise, summary, tables, update_readme  # noqa: E402
-from runners import EngineRunner, HFRunner, LlamaCppRunner, Run, ServerRunner, chat_ids  # noqa: E402
+from runners import Conversation, EngineRunner, HFRunner, LlamaCppRunner, Run, ServerRunner, chat_ids  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import build_engine  # noqa: E402
@@ -228,20 +228,6 @@ def _eta(started: float, done: int, total: int) -> str:
     """The time the remaining runs should take at the pace so far, as "4m05s"."""
     seconds = round((time.monotonic() - started) / done * (total - done))
     return f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-@dataclass(frozen=True, slots=True)
-class Conversation:
-    opening: tuple[dict, ...]  # messages before the first measured turn (a system prompt)
-    turns: tuple[str, ...]  # user messages, one request each
-
-    @staticmethod
-    def of(entry: str | dict) -> Conversation:
-        """A single prompt is a one-turn conversation; a sequence has a system prompt and turns."""
-        if isinstance(entry, str):
-            return Conversation((), (entry,))
-        opening = ({"role": "system", "content": entry["system"]},) if entry.get("system") else ()
-        return Conversation(opening, tuple(entry["turns"]))
 
 
 def run_one(config: Config, runners: dict, prompt_ids: list[int], max_tokens: int, user: str) -> Run:
