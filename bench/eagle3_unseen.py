@@ -3,9 +3,11 @@
 each prompt greedily; then, teacher-forced
 over prompt and answer, the head drafts from every committed position of the answer as serving
 runs it (``Eagle3Head.step``, one position at a time over its own cache) and the training code's
-unrolled measure scores its four draft steps. Writes bench/results/eagle3_unseen.json.
+unrolled measure scores its four draft steps. Last, the engine drafts with the head alone, 4 a
+step, greedy, over the same prompts: tokens per target forward (counted, not timed). Writes
+bench/results/eagle3_unseen[-NAME].json.
 
-    .venv/bin/python bench/eagle3_unseen.py [--head DIR] [--max-tokens 96]
+    .venv/bin/python bench/eagle3_unseen.py [--head DIR] [--max-tokens 96] [--name NAME]
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import host  # noqa: E402
-from bench.runners import Conversation, chat_ids  # noqa: E402
+from bench.runners import Conversation, EngineRunner, chat_ids  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.eagle3_data import collect_features, make_batch  # noqa: E402
 from engine.eagle3_head import default_aux_layers, load_head, shipped_head  # noqa: E402
 from engine.eagle3_training import unrolled_loss  # noqa: E402
+from engine.factory import load_engine  # noqa: E402
 from engine.loader import EMBEDDED_NAME, load_model, load_tokenizer  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
 
@@ -64,12 +68,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head", default=None, help="head folder (default: the one shipped for the embedded model)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--name", default="", help="results file suffix")
     args = parser.parse_args()
     head_dir = args.head or str(shipped_head(EMBEDDED_NAME))
     tokenizer = load_tokenizer(None)
     target = CausalLM(load_model(None, torch.device("cpu"), torch.float32), 2048)
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
-    conversations, firsts, names = [], [], []
+    conversations, firsts, names, asked = [], [], [], []
     for kind, texts in prompts.items():
         for index, text in enumerate(texts):
             prompt_ids = chat_ids(tokenizer, Conversation.of(text).first_request())[
@@ -78,6 +83,7 @@ def main() -> None:
             answer = greedy_answer(target, prompt_ids, args.max_tokens)
             conversations.append({"ids": prompt_ids + answer, "answer": [0] * len(prompt_ids) + [1] * len(answer)})
             firsts.append(len(prompt_ids))
+            asked.append(prompt_ids)
             names.append(f"{kind}[{index}]")
     rows = collect_features(target, conversations, default_aux_layers(len(target.layers)))
     head = load_head(head_dir, target)
@@ -91,20 +97,30 @@ def main() -> None:
             "serving_first_draft": round(serving_agreement(head, row, first), 3),
             "unrolled_per_step": [round(a, 3) for a in unrolled],
         }
+    config = EngineConfig(drafter="eagle3", draft_head=head_dir, num_draft_tokens=4, max_model_len=2048)
+    runner = EngineRunner(load_engine(config, show_progress=False).engine)
+    for name, prompt_ids in zip(names, asked, strict=True):
+        run = runner.run("eagle3", False, prompt_ids, args.max_tokens, name)
+        results[name]["tokens_per_forward_k4"] = round(run.tokens_per_forward, 3)
     by_type: dict[str, list[float]] = {}
+    per_forward: dict[str, list[float]] = {}
     for name, result in results.items():
         by_type.setdefault(name.split("[")[0], []).append(result["serving_first_draft"])
+        per_forward.setdefault(name.split("[")[0], []).append(result["tokens_per_forward_k4"])
     report = {
         "host": host(),
         "head": head.describe(),
         "training_report": json.loads((Path(head_dir) / "training.json").read_text()).get("held_out_top1_per_step"),
         "max_tokens": args.max_tokens,
         "first_draft_by_type": {kind: round(sum(v) / len(v), 3) for kind, v in by_type.items()},
+        "tokens_per_forward_k4_by_type": {kind: round(sum(v) / len(v), 3) for kind, v in per_forward.items()},
         "prompts": results,
     }
     (BENCH / "results").mkdir(exist_ok=True)
-    (BENCH / "results" / "eagle3_unseen.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({key: report[key] for key in ("head", "training_report", "first_draft_by_type")}, indent=2))
+    out = BENCH / "results" / f"eagle3_unseen{'-' + args.name if args.name else ''}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    summary = ("head", "training_report", "first_draft_by_type", "tokens_per_forward_k4_by_type")
+    print(json.dumps({key: report[key] for key in summary}, indent=2))
 
 
 if __name__ == "__main__":

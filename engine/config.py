@@ -162,6 +162,7 @@ class Eagle3Training:
     max_new_tokens: int = _help(320, "the longest answer the target writes per turn")
     generate_batch: int = _help(32, "conversations the target answers together")
     samples: int = _help(1, "answers per prompt: the first greedy, the others sampled at --temperature")
+    own_prompts: int = _help(0, "more prompts the target writes itself, sampled from its chat template's user turn")
     temperature: float = _help(0.8, "the temperature of the sampled answers")
     limit: int | None = _help(None, "only the first N prompts of the set")
     seed: int = _help(0, "seeds initialisation and batch order")
@@ -182,5 +183,7 @@ class Eagle3Training:
             raise ConfigError(
                 f"epochs, lr and temperature must be positive, got {self.epochs}, {self.lr} and {self.temperature}"
             )
+        if self.own_prompts < 0:
+            raise ConfigError(f"own_prompts must be at least 0, got {self.own_prompts}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be at least 1, got {self.limit}")

@@ -11,15 +11,69 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .config import ConfigError
 from .config import Eagle3Training as TrainSettings
 from .model import CausalLM
 
 PROMPTS = Path(__file__).parent / "training_prompts.jsonl"
+PROMPT_TOKENS = 80  # the longest user turn the target writes itself (``own_prompts``)
 
 
 def load_prompts(path: Path = PROMPTS, limit: int | None = None) -> list[dict]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return rows[:limit]
+
+
+@torch.inference_mode()
+def own_prompts(generator_model, tokenizer, settings: TrainSettings, work: Path) -> list[dict]:
+    """``settings.own_prompts`` user turns the target writes itself: its chat template up to a user
+    turn's text, sampled at temperature 1 until the turn's end marker, kept where they end within
+    ``PROMPT_TOKENS``, are new and hold no markup. The shipped set asks a few hundred things in a few
+    ways; these ask what the target itself expects to be asked. Kept in ``work/own_prompts.jsonl``
+    and resumed from there; seeded per batch."""
+    store = work / "own_prompts.jsonl"
+    kept = load_prompts(store) if store.is_file() else []
+    if len(kept) >= settings.own_prompts:
+        return kept[: settings.own_prompts]
+    marker = "\x00turn\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    head, _, tail = text.partition(marker)
+    end = tail.strip().split()[0] if tail.strip() else ""
+    if not end or head == text:
+        raise ConfigError("--own-prompts needs a chat template that ends a user turn with a marker")
+    encoded = tokenizer([head] * settings.generate_batch, return_tensors="pt", add_special_tokens=False)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    seen = {row["turns"][0].lower() for row in kept}
+    bar = tqdm(total=settings.own_prompts, initial=len(kept), desc="eagle3: own prompts", unit="prompt", disable=False)
+    # a batch keeps about half its turns (the rest run past PROMPT_TOKENS): stop at a tenth of that
+    last = 20 * settings.own_prompts // settings.generate_batch + 1
+    for batch in range(kept[-1]["batch"] + 1 if kept else 0, last):
+        if len(kept) >= settings.own_prompts:
+            break
+        torch.manual_seed(settings.seed + 1_000_003 * (batch + 1))
+        out = generator_model.generate(
+            **encoded,
+            max_new_tokens=PROMPT_TOKENS,
+            do_sample=True,
+            temperature=1.0,
+            top_p=0.95,
+            top_k=0,
+            pad_token_id=pad,
+        )  # [B, P + N]
+        new = []
+        for row in out[:, encoded.input_ids.shape[1] :]:
+            turn, ended, _ = tokenizer.decode(row, skip_special_tokens=False).partition(end)
+            turn = turn.strip()
+            if ended and len(turn) >= 12 and "<|" not in turn and turn.lower() not in seen:
+                seen.add(turn.lower())
+                new.append({"type": "own", "turns": [turn], "batch": batch})
+        new = new[: settings.own_prompts - len(kept)]
+        with store.open("a") as sink:
+            sink.writelines(json.dumps(row) + "\n" for row in new)
+        kept += new
+        bar.update(len(new))
+    bar.close()
+    return kept
 
 
 @torch.inference_mode()

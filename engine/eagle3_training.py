@@ -30,7 +30,15 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .config import Eagle3Training as TrainSettings
-from .eagle3_data import collect_features, draft_vocabulary, load_prompts, make_batch, regenerate, windows
+from .eagle3_data import (
+    collect_features,
+    draft_vocabulary,
+    load_prompts,
+    make_batch,
+    own_prompts,
+    regenerate,
+    windows,
+)
 from .eagle3_head import Eagle3Head, default_aux_layers, save_head, shipped_head
 from .kernels import rotate
 from .model import CausalLM
@@ -241,6 +249,7 @@ def train_eagle3(target_ref: str | None, out: Path | None, settings: TrainSettin
     tokenizer = load_tokenizer(target_ref)
     model = load_model(target_ref, device, torch.float32)
     prompts = load_prompts(limit=settings.limit)
+    prompts += own_prompts(model, tokenizer, settings, out / "work") if settings.own_prompts else []
     conversations = regenerate(model, tokenizer, prompts, settings, out / "work")
     generated = time.monotonic()
     target = CausalLM(model, max_len=min(4096, getattr(model.config, "max_position_embeddings", 4096)))

@@ -8,12 +8,21 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import torch
 from safetensors.torch import load_file
 
 from engine.config import Eagle3Training
-from engine.eagle3_data import collect_features, draft_vocabulary, load_prompts, make_batch, regenerate, windows
+from engine.eagle3_data import (
+    collect_features,
+    draft_vocabulary,
+    load_prompts,
+    make_batch,
+    own_prompts,
+    regenerate,
+    windows,
+)
 from engine.eagle3_head import default_aux_layers
 from engine.eagle3_training import head_config, held_out_prompts, new_head, train_eagle3, unrolled_loss
 from engine.model import CausalLM
@@ -40,8 +49,9 @@ def test_the_prompt_set_is_varied_and_disjoint_from_the_bench():
 def test_train_writes_a_head_the_drafter_reads_back_and_resumes(tmp_path):
     model_dir = save_tiny(tmp_path / "target", seed=3, tokenizer=byte_tokenizer(), layers=6, init=0.2)
     out = tmp_path / "head"
-    report = train_eagle3(str(model_dir), out, Eagle3Training(**SMALL))
-    assert report["conversations"] == 3 and report["steps"] > 0 and report["answer_tokens"] > 0
+    settings = Eagle3Training(**{**SMALL, "own_prompts": 2})  # three shipped prompts and two of its own
+    report = train_eagle3(str(model_dir), out, settings)
+    assert report["conversations"] == 5 and report["steps"] > 0 and report["answer_tokens"] > 0
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(default_aux_layers(6))
@@ -53,17 +63,18 @@ def test_train_writes_a_head_the_drafter_reads_back_and_resumes(tmp_path):
     prompt = list(b"hello there")
     outputs = list(engine.generate(Request("t", prompt, SamplingParams(max_tokens=16, temperature=0.0))))
     assert [t for o in outputs for t in o.token_ids] == greedy_reference(target, prompt, 16)
-    # a second run finds the answers and the finished checkpoint: nothing regenerated or retrained
+    # a second run finds the prompts, answers and the finished checkpoint: nothing regenerated or retrained
     answers = (out / "work" / "answers.jsonl").read_text()
-    again = train_eagle3(str(model_dir), out, Eagle3Training(**SMALL))
+    assert len((out / "work" / "own_prompts.jsonl").read_text().splitlines()) == 2
+    again = train_eagle3(str(model_dir), out, settings)
     assert (out / "work" / "answers.jsonl").read_text() == answers and again["steps"] == report["steps"]
     assert again["train_seconds"] < report["train_seconds"] or again["train_seconds"] < 1.0
     # more epochs continue the finished run from its checkpoint
-    longer = train_eagle3(str(model_dir), out, Eagle3Training(**{**SMALL, "epochs": 4.0}))
+    longer = train_eagle3(str(model_dir), out, replace(settings, epochs=4.0))
     assert longer["steps"] == 2 * report["steps"] and (out / "work" / "answers.jsonl").read_text() == answers
     # seeded: another folder, the same head
     other = tmp_path / "other"
-    train_eagle3(str(model_dir), other, Eagle3Training(**SMALL))
+    train_eagle3(str(model_dir), other, settings)
     assert torch.equal(load_file(other / "model.safetensors")["fc.weight"], weights["fc.weight"])
 
 
@@ -98,6 +109,37 @@ def test_more_samples_add_seeded_sampled_answers_after_the_greedy_ones(tmp_path)
     assert store.read_text() == whole
     # fewer samples than the store holds: the first rounds only
     assert regenerate(model, tokenizer, prompts, Eagle3Training(**SMALL), tmp_path / "all") == greedy
+
+
+def test_the_target_writes_prompts_of_its_own_seeded_new_and_resumed(tmp_path):
+    """--own-prompts 6: user turns sampled from the template's user turn, each ended by the turn's
+    marker, without markup, none twice; the same seed writes the same ones; a stopped run resumes."""
+    tokenizer = byte_tokenizer()
+    model = tiny_llama(3, len(tokenizer), layers=2, init=0.2)
+    biased = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features)
+    with torch.no_grad():  # a target that ends its turns within a few dozen bytes, as a chat model does
+        biased.weight.copy_(model.lm_head.weight)
+        biased.bias.zero_()
+        biased.bias[tokenizer.convert_tokens_to_ids("<|im_end|>")] = 2.0
+    model.lm_head = biased
+    settings = Eagle3Training(**{**SMALL, "own_prompts": 6, "generate_batch": 8})
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    prompts = own_prompts(model, tokenizer, settings, tmp_path / "a")
+    assert len(prompts) == 6 and all(p["type"] == "own" and len(p["turns"]) == 1 for p in prompts)
+    turns = [p["turns"][0] for p in prompts]
+    assert all(len(t) >= 12 and "<|" not in t and t == t.strip() for t in turns)
+    assert len({t.lower() for t in turns}) == 6
+    assert own_prompts(model, tokenizer, settings, tmp_path / "b") == prompts
+    store = tmp_path / "b" / "own_prompts.jsonl"
+    first = [line for line in store.read_text().splitlines(keepends=True) if json.loads(line)["batch"] == 0]
+    assert 0 < len(first) < 6  # more than one batch was written
+    store.write_text("".join(first))  # stopped after the first batch
+    batches, generate = [], model.generate
+    model.generate = lambda **kwargs: batches.append(1) or generate(**kwargs)
+    assert own_prompts(model, tokenizer, settings, tmp_path / "b") == prompts
+    assert len(batches) == prompts[-1]["batch"]  # from the second batch on: the first is not redone
+    assert own_prompts(model, tokenizer, Eagle3Training(**{**SMALL, "own_prompts": 3}), tmp_path / "b") == prompts[:3]
 
 
 def test_training_teaches_the_head_the_targets_next_tokens():
