@@ -42,7 +42,7 @@ def own_prompts(generator_model, tokenizer, settings: TrainSettings, work: Path)
     if not end or head == text:
         raise ConfigError("--own-prompts needs a chat template that ends a user turn with a marker")
     encoded = tokenizer([head] * settings.generate_batch, return_tensors="pt", add_special_tokens=False)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = _pad_id(tokenizer)
     seen = {row["turns"][0].lower() for row in kept}
     bar = tqdm(total=settings.own_prompts, initial=len(kept), desc="eagle3: own prompts", unit="prompt", disable=False)
     # a batch keeps about half its turns (the rest run past PROMPT_TOKENS): stop at a tenth of that
@@ -107,7 +107,7 @@ def regenerate(generator_model, tokenizer, prompts: list[dict], settings: TrainS
 
 def _answer(generator_model, tokenizer, batch: list[dict], sample: int, settings: TrainSettings) -> list[list[dict]]:
     """One batch of conversations answered turn by turn: greedily for sample 0, sampled after."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = _pad_id(tokenizer)
     how = {"do_sample": True, "temperature": settings.temperature, "top_k": 0} if sample else {"do_sample": False}
     chats = [[{"role": "system", "content": p["system"]}] if p.get("system") else [] for p in batch]
     for turn in range(max(len(p["turns"]) for p in batch)):
@@ -123,6 +123,11 @@ def _answer(generator_model, tokenizer, batch: list[dict], sample: int, settings
             answer = [t for t in out[row, encoded.input_ids.shape[1] :].tolist() if t != pad]
             chats[i].append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
     return chats
+
+
+def _pad_id(tokenizer) -> int:
+    """What ``generate`` pads a batch's finished rows with: the pad token, else the end of text."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _tokenise(tokenizer, chat: list[dict]) -> dict:
