@@ -32,6 +32,11 @@ Key = tuple[int, int, torch.dtype]  # (out features, in features, dtype) of a we
 LONG = 0  # the row-count slot of inputs longer than max_rows
 LONG_ROWS = 64  # the row count the LONG slot is measured at
 GROUP_BYTES = 48 * 2**20  # weights timed per shape: more than a CPU's last-level cache holds
+# A plan timed while its thread ran for less than this share of the time (other processes had the
+# cores) is not stored for the next start: the choices of such a run are noise (plan_cache.py).
+# The timing thread runs throughout (computing, or feeding the thread team): an idle host gives
+# 0.96-1.0, one where another process computes on every core 0.40-0.59.
+UNDISTURBED_SHARE = 0.75
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -128,6 +133,8 @@ class MatmulPlan:
     choices: dict[tuple[Key, int], str] = field(default_factory=dict)
     timings_us: dict[tuple[Key, int], dict[str, float]] = field(default_factory=dict)  # what the choice rests on
     stored: str = ""  # a plan read back from a PlanCache: when it was measured
+    # measured plans: the timing thread's CPU time over the wall time it took
+    cpu_share: float | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., N, I] -> [..., N, O]."""
@@ -182,6 +189,7 @@ class MatmulPlan:
                 group.append(weight)
         plan = cls(max_rows)
         slots = [*range(1, max_rows + 1), LONG]
+        cpu_started, wall_started = time.thread_time(), time.perf_counter()
         with torch.inference_mode():
             for key, group in groups.items():
                 operands: dict[str, list] = dict.fromkeys(FORMULATIONS, group)
@@ -203,7 +211,14 @@ class MatmulPlan:
                         plan._time_group(key, operands, slots, repeats)
                 if held in HELD:
                     plan.choices.update({(key, slot): held for slot in slots})
+        wall = time.perf_counter() - wall_started
+        plan.cpu_share = (time.thread_time() - cpu_started) / max(wall, 1e-9)
         return plan
+
+    @property
+    def disturbed(self) -> bool:
+        """Whether this plan was timed while other processes had much of the cores."""
+        return self.cpu_share is not None and self.cpu_share < UNDISTURBED_SHARE
 
     def _time_group(self, key: Key, operands: dict[str, list], slots: list[int], repeats: int) -> None:
         """Time each form in ``operands`` on its group at every slot; keep the fastest float32 formulation."""
@@ -235,6 +250,8 @@ class MatmulPlan:
             return "F.linear"
         won = {name: sum(choice == name for choice in self.choices.values()) for name in NAMES}
         counts = ", ".join(f"{name} {count}/{len(self.choices)}" for name, count in won.items() if count)
+        if self.disturbed:
+            return counts + f" (timed on a busy host, its thread ran {self.cpu_share:.0%} of the time: not stored)"
         return counts + (f" (stored plan, measured {self.stored})" if self.stored else "")
 
 

@@ -8,6 +8,11 @@ model name and the instruction set torch dispatches to), the thread count, torch
 weights' shapes and dtypes, which of them can be held as GGUF blocks, and the row counts. A start
 whose key matches reads the stored plan instead of measuring; ``--matmul-plan measure`` measures
 again and replaces it.
+
+A plan timed while other processes had the cores is not stored (``MatmulPlan.disturbed``): its
+timings are the scheduler's, not the products' (a plan measured beside a training job took 120-470 ms
+for products of 5 ms, chose at random, and halved every later start's speed until measured again).
+Plans stored before the share was recorded are measured again once.
 """
 
 from __future__ import annotations
@@ -72,7 +77,11 @@ class PlanCache:
             return None
         try:
             stored = json.loads(path.read_text())
+            if "cpu_share" not in stored:  # stored before disturbed plans were kept out: maybe one
+                log.info("matmul plan %s does not say how busy the host was; measuring again", path)
+                return None
             plan = MatmulPlan(stored["max_rows"], stored=stored.get("measured", "at an unknown time"))
+            plan.cpu_share = stored["cpu_share"]
             for shape_rows, choice in stored["choices"]:
                 plan.choices[_decode_key(shape_rows[:3]), shape_rows[3]] = choice
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
@@ -82,8 +91,16 @@ class PlanCache:
         return plan
 
     def save(self, key: str, plan: MatmulPlan) -> None:
+        if plan.disturbed:
+            log.warning(
+                "matmul plan timed while its thread ran %.0f%% of the time (other processes had the "
+                "cores): not stored; the next start measures again",
+                100 * plan.cpu_share,
+            )
+            return
         stored = {
             "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "cpu_share": None if plan.cpu_share is None else round(plan.cpu_share, 3),
             "max_rows": plan.max_rows,
             "choices": [[[*_encode_key(shape), rows], choice] for (shape, rows), choice in plan.choices.items()],
             "timings_us": [
