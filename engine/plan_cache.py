@@ -11,7 +11,7 @@ again and replaces it.
 
 A plan timed while other processes had the cores is not stored (``MatmulPlan.disturbed``): its
 timings are the scheduler's, not the products' (a plan measured beside a training job took 120-470 ms
-for products of 5 ms, chose at random, and halved every later start's speed until measured again).
+for products of 5 ms, chose at random, and cut every later start's target-only speed to a third).
 Plans stored before the share was recorded are measured again once.
 """
 
