@@ -97,6 +97,9 @@ class PlanCache:
                 "cores): not stored; the next start measures again",
                 100 * plan.cpu_share,
             )
+            # one stored before is there only where measuring was asked for (--matmul-plan measure):
+            # dropped, so that the next start does measure again
+            (self.folder / f"{key}.json").unlink(missing_ok=True)
             return
         stored = {
             "measured": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -330,3 +330,6 @@ def test_a_plan_timed_while_other_processes_have_the_cores_is_not_stored(tmp_pat
     del stored["cpu_share"]  # as plans were stored before
     (tmp_path / "k.json").write_text(json.dumps(stored))
     assert cache.load("k") is None  # measured again
+    # --matmul-plan measure on a busy host: the plan stored before is dropped, not kept as if new
+    PlanCache(tmp_path, remeasure=True).save("k", busy)
+    assert not (tmp_path / "k.json").exists()
