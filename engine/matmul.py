@@ -39,6 +39,24 @@ GROUP_BYTES = 48 * 2**20  # weights timed per shape: more than a CPU's last-leve
 UNDISTURBED_SHARE = 0.75
 
 
+def busy(cpu_share: float | None) -> bool:
+    """Whether a measurement whose timing thread had ``cpu_share`` of the time (None: not known) ran
+    while other processes had the cores."""
+    return cpu_share is not None and cpu_share < UNDISTURBED_SHARE
+
+
+def thread_clock() -> tuple[float, float]:
+    """(this thread's CPU time, wall time) now, for ``thread_share``."""
+    return time.thread_time(), time.perf_counter()
+
+
+def thread_share(since: tuple[float, float]) -> float:
+    """This thread's CPU time over the wall time since ``since`` (``thread_clock``): about 1 where it
+    had a core throughout, less where other processes took it."""
+    cpu, wall = since
+    return (time.thread_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)  # [N, I] -> [N, O]
 
@@ -189,7 +207,7 @@ class MatmulPlan:
                 group.append(weight)
         plan = cls(max_rows)
         slots = [*range(1, max_rows + 1), LONG]
-        cpu_started, wall_started = time.thread_time(), time.perf_counter()
+        started = thread_clock()
         with torch.inference_mode():
             for key, group in groups.items():
                 operands: dict[str, list] = dict.fromkeys(FORMULATIONS, group)
@@ -211,14 +229,13 @@ class MatmulPlan:
                         plan._time_group(key, operands, slots, repeats)
                 if held in HELD:
                     plan.choices.update({(key, slot): held for slot in slots})
-        wall = time.perf_counter() - wall_started
-        plan.cpu_share = (time.thread_time() - cpu_started) / max(wall, 1e-9)
+        plan.cpu_share = thread_share(started)
         return plan
 
     @property
     def disturbed(self) -> bool:
         """Whether this plan was timed while other processes had much of the cores."""
-        return self.cpu_share is not None and self.cpu_share < UNDISTURBED_SHARE
+        return busy(self.cpu_share)
 
     def _time_group(self, key: Key, operands: dict[str, list], slots: list[int], repeats: int) -> None:
         """Time each form in ``operands`` on its group at every slot; keep the fastest float32 formulation."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .matmul import Key, MatmulPlan
+from .matmul import Key, MatmulPlan, busy
 
 log = logging.getLogger(__name__)
 
@@ -72,38 +72,21 @@ class PlanCache:
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
     def load(self, key: str) -> MatmulPlan | None:
-        path = self.folder / f"{key}.json"
-        if self.remeasure or not path.is_file():
+        stored = self.load_record(key, "matmul plan")
+        if stored is None:
             return None
         try:
-            stored = json.loads(path.read_text())
-            if "cpu_share" not in stored:  # stored before disturbed plans were kept out: maybe one
-                log.info("matmul plan %s does not say how busy the host was; measuring again", path)
-                return None
             plan = MatmulPlan(stored["max_rows"], stored=stored.get("measured", "at an unknown time"))
             plan.cpu_share = stored["cpu_share"]
             for shape_rows, choice in stored["choices"]:
                 plan.choices[_decode_key(shape_rows[:3]), shape_rows[3]] = choice
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            log.warning("matmul plan %s is unreadable (%s); measuring again", path, error)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            log.warning("matmul plan %s is unreadable (%s); measuring again", self.folder / f"{key}.json", error)
             return None
-        log.info("matmul plan read from %s (measured %s)", path, stored.get("measured", "?"))
         return plan
 
     def save(self, key: str, plan: MatmulPlan) -> None:
-        if plan.disturbed:
-            log.warning(
-                "matmul plan timed while its thread ran %.0f%% of the time (other processes had the "
-                "cores): not stored; the next start measures again",
-                100 * plan.cpu_share,
-            )
-            # one stored before is there only where measuring was asked for (--matmul-plan measure):
-            # dropped, so that the next start does measure again
-            (self.folder / f"{key}.json").unlink(missing_ok=True)
-            return
         stored = {
-            "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "cpu_share": None if plan.cpu_share is None else round(plan.cpu_share, 3),
             "max_rows": plan.max_rows,
             "choices": [[[*_encode_key(shape), rows], choice] for (shape, rows), choice in plan.choices.items()],
             "timings_us": [
@@ -111,13 +94,53 @@ class PlanCache:
                 for (shape, rows), timings in plan.timings_us.items()
             ],
         }
+        self.save_record(key, "matmul plan", stored, plan.cpu_share)
+
+    def load_record(self, key: str, what: str) -> dict | None:
+        """What was stored under ``key`` (a plan, or ``copy:auto``'s choice: engine/measure.py), with
+        "measured" and "cpu_share"; None where measuring was asked for, nothing is stored, or what is
+        stored is unreadable or does not say how busy the host was."""
+        path = self.folder / f"{key}.json"
+        if self.remeasure or not path.is_file():
+            return None
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            log.warning("%s %s is unreadable (%s); measuring again", what, path, error)
+            return None
+        if not isinstance(stored, dict) or "cpu_share" not in stored:  # stored before busy hosts were kept out
+            log.info("%s %s does not say how busy the host was; measuring again", what, path)
+            return None
+        log.info("%s read from %s (measured %s)", what, path, stored.get("measured", "?"))
+        return stored
+
+    def save_record(self, key: str, what: str, stored: dict, cpu_share: float | None) -> None:
+        """Store ``stored`` under ``key``, unless it was timed on a busy host (``cpu_share``, the timing
+        thread's share of the time, below matmul.UNDISTURBED_SHARE)."""
+        path = self.folder / f"{key}.json"
+        if busy(cpu_share):
+            log.warning(
+                "%s timed while its thread ran %.0f%% of the time (other processes had the cores): "
+                "not stored; the next start measures again",
+                what,
+                100 * cpu_share,
+            )
+            # one stored before is there only where measuring was asked for (--matmul-plan measure):
+            # dropped, so that the next start does measure again
+            path.unlink(missing_ok=True)
+            return
+        stored = {
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "cpu_share": None if cpu_share is None else round(cpu_share, 3),
+            **stored,
+        }
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             temporary = self.folder / f"{key}.json.{os.getpid()}"
             temporary.write_text(json.dumps(stored) + "\n")
-            temporary.replace(self.folder / f"{key}.json")
-        except OSError as error:  # a read-only home, say: the plan still runs, measured each start
-            log.warning("cannot store the matmul plan in %s (%s)", self.folder, error)
+            temporary.replace(path)
+        except OSError as error:  # a read-only home, say: measured again at each start
+            log.warning("cannot store the %s in %s (%s)", what, self.folder, error)
 
 
 def _encode_key(key: Key) -> list:

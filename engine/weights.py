@@ -71,6 +71,7 @@ class ProductWeights:
         # the product whose weight is the embedding table (a tied LM head), as (id(module), name)
         self._tied = next(((id(module), name) for module, name in products if getattr(module, name) is keep), None)
         self.plan = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
+        self.plan_key = ""  # what the plan is stored under in a PlanCache ("": not stored)
         # weights held in another form, by (id(module), weight name): int8 rows, packed by oneDNN, GGUF blocks
         self.prepared: dict[tuple[int, str], Int8Weight | PackedWeight | BlockWeight] = {}
         self.int8 = False  # every product through int8 rows, none through the plan
@@ -140,6 +141,7 @@ class ProductWeights:
             by_shape = self.blocks_by_shape()
             weights = self.linear_weights()
             key = cache.key([weight_key(w) for w in weights], list(by_shape), max_rows) if cache else ""
+            self.plan_key = key
             plan = cache.load(key) if cache else None
             if plan is None:
                 plan = MatmulPlan.measure(weights, max_rows, blocks=by_shape)

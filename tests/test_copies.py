@@ -122,3 +122,41 @@ def test_an_engine_drafting_with_copy_auto_says_which_copy_and_keeps_the_targets
     prompt = [4, 8, 15, 16, 23, 42]
     drafted = [t for o in engine.generate(Request("a", prompt, params)) for t in o.token_ids]
     assert drafted == [t for o in alone.generate(Request("b", prompt, params)) for t in o.token_ids]
+
+
+def test_copy_auto_stores_its_choice_beside_the_plan_and_the_next_start_times_nothing(tmp_path, caplog, monkeypatch):
+    """A model loaded from somewhere (it has a name): the first start times the copies and stores
+    what it chose; the next start of the same model on this host reads it back, timing nothing, and
+    keeps the same copy with the same agreement; --matmul-plan measure times again. A model built
+    in-process (no name) is timed at every start."""
+    import engine.matmul as matmul_module
+    import engine.measure as measure_module
+    from engine.plan_cache import PlanCache
+
+    monkeypatch.setattr(matmul_module, "UNDISTURBED_SHARE", 0.0)  # storing is tested here, whatever the host's load
+
+    def models(name: str) -> tuple[CausalLM, CausalLM]:
+        hf_model = tiny_llama(seed=5, vocab_size=64, init=0.2)
+        hf_model.config._name_or_path = name
+        return CausalLM(hf_model, max_len=64), CausalLM(copy.deepcopy(hf_model).to(torch.bfloat16), max_len=64)
+
+    first = choose_copy(*models("tiny/copy-auto"), num_draft_tokens=3, cache=PlanCache(tmp_path), may_keep_none=True)
+    assert len(list(tmp_path.glob("copy-auto-*.json"))) == 1
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a stored choice matched: nothing to time")
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="engine.measure"):
+        patch.setattr(measure_module, "read_seconds", no_timing)
+        again = choose_copy(
+            *models("tiny/copy-auto"), num_draft_tokens=3, cache=PlanCache(tmp_path), may_keep_none=True
+        )
+        assert again[1:] == first[1:] and (again[0] is None) == (first[0] is None)
+        assert again[0] is None or again[0].weights.int8 == (first[1] == "int8")
+        assert "(stored, measured " in caplog.text
+        with pytest.raises(AssertionError, match="nothing to time"):  # measuring asked for
+            choose_copy(*models("tiny/copy-auto"), 3, PlanCache(tmp_path, remeasure=True), may_keep_none=True)
+        with pytest.raises(AssertionError, match="nothing to time"):  # another k: another choice
+            choose_copy(*models("tiny/copy-auto"), 2, PlanCache(tmp_path), may_keep_none=True)
+        with pytest.raises(AssertionError, match="nothing to time"):  # no name: nothing stored for it
+            choose_copy(*models(""), 3, PlanCache(tmp_path), may_keep_none=True)
