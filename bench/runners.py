@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -217,6 +218,12 @@ class EngineRunner:
 def _take_stats(run: Run, acceptance: float, per_forward: float, forwards: int) -> None:
     run.acceptance_rate, run.tokens_per_forward = acceptance, per_forward
     run.target_forwards = max(forwards - 1, 0)  # the first forward is the prefill, before the first token
+
+
+def close_servers_on_terminate() -> None:
+    """Make SIGTERM (kill, pkill) end a bench through its ``finally`` blocks, which close its
+    servers: by default it ends the process at once and leaves each ``specserve serve`` running."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 class ServerRunner:

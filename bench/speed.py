@@ -40,7 +40,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from host import cpu, measure_read_bandwidth  # noqa: E402
 from report import plot, summarise, summary, tables, update_readme  # noqa: E402
-from runners import Conversation, EngineRunner, HFRunner, LlamaCppRunner, Run, ServerRunner, chat_ids  # noqa: E402
+from runners import (  # noqa: E402
+    Conversation,
+    EngineRunner,
+    HFRunner,
+    LlamaCppRunner,
+    Run,
+    ServerRunner,
+    chat_ids,
+    close_servers_on_terminate,
+)
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import build_engine  # noqa: E402
@@ -102,6 +111,7 @@ def main() -> None:
     out = results_dir / f"{args.name}.json"
 
     bandwidths = [measure_read_bandwidth()]
+    close_servers_on_terminate()
     server = ServerRunner(
         ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"]
         + args.server_args.split(),

@@ -31,7 +31,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import host  # noqa: E402
-from bench.runners import ServerRunner, chat_ids  # noqa: E402
+from bench.runners import ServerRunner, chat_ids, close_servers_on_terminate  # noqa: E402
 from engine.loader import load_tokenizer  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -78,6 +78,7 @@ def main() -> None:
     for kind in KINDS:
         prompt_ids[kind] = chat_ids(tokenizer, [{"role": "user", "content": prompts[kind][0]}])
     servers: dict[str, ServerRunner] = {}
+    close_servers_on_terminate()
     speeds: dict[str, dict[str, dict[str, list[float]]]] = {
         spin: {drafter: {kind: [] for kind in KINDS} for drafter in drafters} for spin in spins
     }

@@ -13,6 +13,9 @@ A plan timed while other processes had the cores is not stored (``MatmulPlan.dis
 timings are the scheduler's, not the products' (a plan measured beside a training job took 120-470 ms
 for products of 5 ms, chose at random, and cut every later start's target-only speed to a third).
 Plans stored before the share was recorded are measured again once.
+
+``copy:auto``'s choice of draft copy is stored the same way, beside the target's plan
+(``load_record``/``save_record``; engine/measure.py).
 """
 
 from __future__ import annotations

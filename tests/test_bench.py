@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -52,6 +56,48 @@ def test_every_server_run_reads_its_whole_prompt(tiny_model_dirs, tmp_path):
         assert len({run.text for run in runs}) == 1  # greedy: the same output whoever drafted
     finally:
         server.close()
+
+
+def test_a_bench_ended_with_sigterm_closes_its_server(tiny_model_dirs, tmp_path):
+    """kill or pkill on a running bench (as bench/speed.py and bench/spin.py set up) stops the
+    `specserve serve` it started; before, the server outlived the bench, holding its memory."""
+    target, _ = tiny_model_dirs
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(REPO / "bench")!r})
+from runners import ServerRunner, close_servers_on_terminate
+close_servers_on_terminate()
+server = ServerRunner(["--target", {str(target)!r}, "--max-model-len", "64"], __import__("pathlib").Path({str(tmp_path / "log")!r}))
+try:
+    server.wait_ready()
+    print(server.process.pid, flush=True)
+    time.sleep(600)
+finally:
+    server.close()
+"""
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    server_pid = None
+    try:
+        server_pid = int(bench.stdout.readline())
+        bench.terminate()  # SIGTERM
+        assert bench.wait(timeout=60) == 128 + 15
+        deadline = time.monotonic() + 30
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server_pid), "the server outlived the bench"
+    finally:
+        bench.kill()
+        if server_pid is not None and _alive(server_pid):  # failed: leave no server behind
+            os.kill(server_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def _run(tokens: int, seconds: float, text: str, forwards: int | None = None) -> Run:
