@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import statistics
 from pathlib import Path
 
@@ -27,6 +28,20 @@ def _mean(values: list) -> float | None:
     return round(statistics.fmean(values), 3) if values else None
 
 
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Steps by drafter over all runs (auto's choices), most first."""
+    total = collections.Counter()
+    for count in counts:
+        total.update(count)
+    return dict(total.most_common())
+
+
+def _steps(metrics: dict) -> str:
+    """Who drafted the steps, e.g. "eagle3 40, none 12"; the steps; "-" where nobody did or an older file has no record."""
+    counts = metrics.get("steps_by_drafter") or {}
+    return ", ".join(f"{name} {steps}" for name, steps in counts.items()) or "-"
+
+
 def _metrics(runs: list, reference: list | None, bound_s: float) -> dict:
     gaps = [gap for run in runs for gap in run.inter_token_s]
     fractions = [
@@ -47,6 +62,7 @@ def _metrics(runs: list, reference: list | None, bound_s: float) -> dict:
         "acceptance_rate": _mean([run.acceptance_rate for run in runs]),
         "mean_tokens_per_forward": _mean([run.tokens_per_forward for run in runs]),
         "mean_num_draft_tokens": _mean([run.num_draft_tokens for run in runs]),
+        "steps_by_drafter": _summed([run.steps_by_drafter for run in runs]),
         "bandwidth_bound_fraction": round(statistics.median(fractions), 3) if fractions else None,
         "peak_rss_mb": round(max(rss)) if rss else None,
         "greedy_identical": None
@@ -159,15 +175,15 @@ def tables(report: dict) -> str:
         )
     lines += [
         "",
-        "| prompt type | configuration | TTFT ms | tokens in first arrival | request tokens/s | ITL p50 / p99 ms | acceptance | tokens/forward | bound fraction | peak RSS MB | greedy same |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prompt type | configuration | TTFT ms | tokens in first arrival | request tokens/s | ITL p50 / p99 ms | acceptance | tokens/forward | steps by drafter | bound fraction | peak RSS MB | greedy same |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in kinds:
         for label, m in results[kind].items():
             lines.append(
                 f"| {kind} | {label} | {m['ttft_ms']:.0f} | {m['first_arrival_tokens']:g} | "
                 f"{m['request_tokens_per_s']:.1f} | {_fmt(m['itl_p50_ms'])} / {_fmt(m['itl_p99_ms'])} | "
-                f"{_fmt(m['acceptance_rate'])} | {_fmt(m['mean_tokens_per_forward'])} | "
+                f"{_fmt(m['acceptance_rate'])} | {_fmt(m['mean_tokens_per_forward'])} | {_steps(m)} | "
                 f"{_fmt(m['bandwidth_bound_fraction'])} | {_fmt(m['peak_rss_mb'], 0)} | {m['greedy_identical']} |"
             )
     if report["sse_vs_in_process"]:

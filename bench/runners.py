@@ -36,6 +36,7 @@ class Run:
     tokens_per_forward: float | None = None  # mean accepted length + 1 (the target's own token)
     target_forwards: int | None = None  # decode-time forwards of the target, prefill excluded
     num_draft_tokens: float | None = None
+    steps_by_drafter: dict[str, int] = field(default_factory=dict)  # auto's choices: who drafted each step
     cached_tokens: int = 0
     peak_rss_mb: float | None = None
 
@@ -208,16 +209,17 @@ class EngineRunner:
             now = time.perf_counter()
             run.token_ids += output.token_ids
             run.token_times += [now] * len(output.token_ids)
-        stats = output.stats
-        _take_stats(run, stats.acceptance_rate, stats.mean_tokens_per_forward, stats.target_forwards)
-        run.num_draft_tokens = stats.mean_num_draft_tokens
+        _take_stats(run, output.stats.to_dict())
         run.peak_rss_mb = self.rss.read_mb()
         return run
 
 
-def _take_stats(run: Run, acceptance: float, per_forward: float, forwards: int) -> None:
-    run.acceptance_rate, run.tokens_per_forward = acceptance, per_forward
-    run.target_forwards = max(forwards - 1, 0)  # the first forward is the prefill, before the first token
+def _take_stats(run: Run, spec: dict) -> None:
+    """``spec``: the request's speculative statistics, as ``usage.speculative`` reports them."""
+    run.acceptance_rate, run.tokens_per_forward = spec["acceptance_rate"], spec["mean_tokens_per_forward"]
+    run.target_forwards = max(spec["target_forwards"] - 1, 0)  # the prefill's forward comes before the first token
+    run.num_draft_tokens = spec["mean_num_draft_tokens"]
+    run.steps_by_drafter = dict(spec.get("steps_by_drafter") or {})
 
 
 def close_servers_on_terminate() -> None:
@@ -291,9 +293,7 @@ class ServerRunner:
                 usage = event.get("usage") or usage
         run.text = "".join(pieces)
         if usage is not None:
-            spec = usage["speculative"]
-            _take_stats(run, spec["acceptance_rate"], spec["mean_tokens_per_forward"], spec["target_forwards"])
-            run.num_draft_tokens = spec["mean_num_draft_tokens"]
+            _take_stats(run, usage["speculative"])
             run.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         run.peak_rss_mb = self.rss.read_mb()
         return run

@@ -100,9 +100,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _run(tokens: int, seconds: float, text: str, forwards: int | None = None) -> Run:
+def _run(tokens: int, seconds: float, text: str, forwards: int | None = None, steps: dict | None = None) -> Run:
     run = Run(started=0.0, token_times=[0.1 + seconds * i / (tokens - 1) for i in range(tokens)], text=text)
     run.target_forwards = forwards
+    run.steps_by_drafter = steps or {}
     return run
 
 
@@ -112,7 +113,7 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
             "hf:generate": [_run(11, 1.0, "same")],  # 10 tokens/s after the first
             "hf:prompt-lookup": [_run(11, 0.5, "same")],  # 20
             "serve:none": [_run(11, 0.5, "same", forwards=10)],  # 20
-            "serve:default": [_run(11, 0.4, "same", forwards=5)],  # 25
+            "serve:default": [_run(11, 0.4, "same", forwards=5, steps={"none": 2, "eagle3": 4, "suffix": 4})],  # 25
             "serve:ngram": [_run(11, 0.2, "same", forwards=4)],  # 50
             "serve:self": [_run(11, 0.4, "different", forwards=5)],
             "engine:ngram": [_run(11, 0.25, "same", forwards=4)],  # 40
@@ -130,6 +131,7 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     assert code["serve:ngram"]["speedup_vs_target_only"] == 2.5
     assert code["serve:none"]["bandwidth_bound_fraction"] == 0.2  # 10 forwards x 10 ms in 0.5 s
     assert code["serve:self"]["greedy_identical"] is False and code["serve:ngram"]["greedy_identical"] is True
+    assert list(code["serve:default"]["steps_by_drafter"].items()) == [("eagle3", 4), ("suffix", 4), ("none", 2)]
     target = report["targets"]["code"]
     assert target["best"] == "serve:ngram" and target["best_hf"] == "hf:prompt-lookup"
     assert target["default_vs_target_only"] == 1.25 and target["default_vs_best_hf"] == 1.25
@@ -146,6 +148,7 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     }
     text = tables(full)
     assert "| serve:ngram | 50.0 (2.50x) |" in text
+    assert "| eagle3 4, suffix 4, none 2 |" in text  # most steps first
     short = summary(full, "bench/results/x.md")
     assert "| code | 10.0 | 20.0 (prompt-lookup) | 20.0 | 25.0 | 50.0 (ngram) | 1.25x | 1.25x |" in short
     assert "geometric mean: 1.41x" in short and "(bench/results/x.md)" in short
