@@ -37,7 +37,7 @@ def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
 
 
 def _steps(metrics: dict) -> str:
-    """Who drafted the steps, e.g. "eagle3 40, none 12"; the steps; "-" where nobody did or an older file has no record."""
+    """Who drafted the steps, e.g. "eagle3 40, none 12"; "-" where an older file has no record."""
     counts = metrics.get("steps_by_drafter") or {}
     return ", ".join(f"{name} {steps}" for name, steps in counts.items()) or "-"
 
