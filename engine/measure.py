@@ -9,8 +9,6 @@ copy is timed under its own measured plan, packed where that pays.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
 import statistics
 import time
@@ -20,7 +18,7 @@ import torch
 from .adaptive import expected_tokens
 from .matmul import thread_clock, thread_share
 from .model import CausalLM
-from .plan_cache import PlanCache
+from .plan_cache import PlanCache, digest
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +165,7 @@ def _choice_key(target: CausalLM, num_draft_tokens: int, may_keep_none: bool) ->
     """What ``copy:auto``'s choice is stored under: the target's plan key (the host and the weights'
     shapes), which model it is (agreement depends on its values), k and whether none may be kept."""
     described = [target.weights.plan_key, target.config.name_or_path, num_draft_tokens, may_keep_none]
-    return "copy-auto-" + hashlib.sha256(json.dumps(described).encode()).hexdigest()[:20]
+    return "copy-auto-" + digest(described)
 
 
 def fitted_line(values: list[float]) -> list[float]:

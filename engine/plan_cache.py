@@ -42,6 +42,11 @@ def default_folder() -> Path:
     return Path(base) / "specserve" / "matmul-plans"
 
 
+def digest(described: dict | list) -> str:
+    """A short stable name for what a record is stored under (JSON-able values)."""
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -72,7 +77,7 @@ class PlanCache:
             "blocks": sorted(_encode_key(key) for key in block_shapes),
             "max_rows": max_rows,
         }
-        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+        return digest(described)
 
     def load(self, key: str) -> MatmulPlan | None:
         stored = self.load_record(key, "matmul plan")
