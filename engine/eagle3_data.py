@@ -152,13 +152,13 @@ def collect_features(target: CausalLM, conversations: list[dict], aux_layers: tu
     for conversation in tqdm(conversations, desc="eagle3: target features", unit="conv", disable=False):
         ids = conversation["ids"][: target.max_len]
         target.cache.rollback(0)
-        target.extend(ids, num_logits=len(ids))
+        hidden = target.read(ids)  # [N, E]
         rows.append(
             {
                 "ids": torch.tensor(ids),
                 "answer": torch.tensor(conversation["answer"][: len(ids)], dtype=torch.bool),
                 "features": target.feature_rows(0, len(ids)).to("cpu", torch.bfloat16),
-                "hidden": target.last_hidden.to("cpu", torch.bfloat16),
+                "hidden": hidden.to("cpu", torch.bfloat16),
             }
         )
     target.cache.rollback(0)

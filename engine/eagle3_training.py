@@ -142,6 +142,19 @@ def held_out_prompts(num_prompts: int) -> set[int]:
     return {p for p in range(num_prompts) if p % 50 < 5} if num_prompts >= 50 else set()
 
 
+# Settings a checkpoint continues under when they change: more passes, or more data. The prompts
+# the target writes itself and the sampled answers come after the ones before them, so every
+# prompt keeps its index and the held-out ones stay held out.
+CONTINUED_ACROSS = ("epochs", "own_prompts", "samples")
+
+
+def _continues(saved: dict, settings: dict) -> bool:
+    """Whether a checkpoint trained under ``saved`` continues under ``settings``: the same settings
+    resume it; more epochs or more data continue it under a learning-rate schedule of their own."""
+    kept = [name for name in settings if name not in CONTINUED_ACROSS]
+    return all(saved.get(name) == settings[name] for name in kept)
+
+
 def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path, num_prompts: int) -> dict:
     """Train, checkpointing to ``out/work``; writes the head to ``out`` and returns a report. Row i
     answers prompt i % ``num_prompts`` (``regenerate``'s order)."""
@@ -152,25 +165,26 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     # prompts gave 0.1-0.17)
     unseen = held_out_prompts(num_prompts)
     seen = [row for index, row in enumerate(rows) if index % num_prompts not in unseen]
-    draft_ids = draft_vocabulary(seen, settings.draft_vocab, target.vocab_size)
-    config = head_config(target, len(draft_ids), aux_layers)
-    head = new_head(target, config, draft_ids, settings.seed)
-    target_rows = target.weights.dense(target.lm_head, "weight").float()[draft_ids]  # [Vd, E]
     pieces = windows(rows, settings.window)
     held_out = [piece for piece in pieces if piece[0] % num_prompts in unseen]
     pieces = [piece for piece in pieces if piece[0] % num_prompts not in unseen]
     per_batch = max(1, settings.batch_tokens // settings.window)
     batches_per_epoch = math.ceil(len(pieces) / per_batch)
     total_steps = max(1, int(settings.epochs * batches_per_epoch))
+    checkpoint = work / "checkpoint.pt"
+    state = torch.load(checkpoint, weights_only=False) if checkpoint.is_file() else None
+    resumed = state is not None and _continues(state["settings"], asdict(settings)) and state["step"] <= total_steps
+    same = resumed and state["settings"] == asdict(settings)
+    if resumed:  # the checkpoint's vocabulary, whatever data was added
+        draft_ids = state["head"]["d2t"] + torch.arange(len(state["head"]["d2t"]))
+    else:
+        draft_ids = draft_vocabulary(seen, settings.draft_vocab, target.vocab_size)
+    config = head_config(target, len(draft_ids), aux_layers)
+    head = new_head(target, config, draft_ids, settings.seed)
+    target_rows = target.weights.dense(target.lm_head, "weight").float()[draft_ids]  # [Vd, E]
     trainable = list(head.parameters())  # the target's embedding is read, not held: it is no parameter here
     optimiser = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, started, begun = 0, time.monotonic(), 0  # begun: the step this run's learning-rate schedule starts at
-    checkpoint = work / "checkpoint.pt"
-    state = torch.load(checkpoint, weights_only=False) if checkpoint.is_file() else None
-    # the same settings resume; more epochs than the checkpoint's continue it under a schedule of their own
-    resumed = state is not None and {**state["settings"], "epochs": settings.epochs} == asdict(settings)
-    resumed = resumed and state["step"] <= total_steps
-    same = resumed and state["settings"] == asdict(settings)
     if resumed:
         head.load_state_dict(state["head"])
         optimiser.load_state_dict(state["optimiser"])
@@ -185,6 +199,7 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
         schedule.load_state_dict(state["schedule"])
     history: list[list[float]] = []
     recent: list[float] = []
+    first_step = step
     bar = tqdm(total=total_steps, initial=step, desc="eagle3: training", unit="step", disable=False)
     head.train()
     while step < total_steps:
@@ -226,6 +241,7 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     covered = sum(int(t2d[row["ids"][row["answer"]]].sum()) for row in rows)
     return {
         "steps": step,
+        "continued_from_step": first_step,
         "conversations": len(rows),
         "answer_tokens": tokens,
         "draft_vocab_coverage": round(covered / max(1, tokens), 4),

@@ -114,6 +114,15 @@ class CausalLM:
         self._last_hidden_end = self.cache.length
         return logits
 
+    @torch.inference_mode()
+    def read(self, token_ids: list[int]) -> torch.Tensor:
+        """Append ``token_ids`` to the cache; the normalised final hidden states [N, E] of all, no logits."""
+        start, end = self.cache.length, self.cache.length + len(token_ids)
+        input_ids, positions = self._input(token_ids, start), self.positions[start:end]  # [N], [N]
+        hidden = self._body(input_ids, positions, end, self.all_layers, True, end - start, start=start)  # [N, E]
+        self.cache.append(token_ids)
+        return hidden
+
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, E]: the embedding's rows, from the GGUF blocks of the LM head tied to
         it where the plan holds that head so (the table's float32 copy is then freed)."""

@@ -72,6 +72,13 @@ def test_train_writes_a_head_the_drafter_reads_back_and_resumes(tmp_path):
     # more epochs continue the finished run from its checkpoint
     longer = train_eagle3(str(model_dir), out, replace(settings, epochs=4.0))
     assert longer["steps"] == 2 * report["steps"] and (out / "work" / "answers.jsonl").read_text() == answers
+    assert longer["continued_from_step"] == report["steps"]
+    # more prompts continue it too, in the checkpoint's vocabulary: the new answers come after the old
+    vocabulary = load_file(out / "model.safetensors")["d2t"]
+    more = train_eagle3(str(model_dir), out, replace(settings, epochs=6.0, own_prompts=3))
+    assert more["conversations"] == 6 and (out / "work" / "answers.jsonl").read_text().startswith(answers)
+    assert more["continued_from_step"] == longer["steps"] < more["steps"]
+    assert torch.equal(load_file(out / "model.safetensors")["d2t"], vocabulary)
     # seeded: another folder, the same head
     other = tmp_path / "other"
     train_eagle3(str(model_dir), other, settings)
@@ -140,6 +147,18 @@ def test_the_target_writes_prompts_of_its_own_seeded_new_and_resumed(tmp_path):
     assert own_prompts(model, tokenizer, settings, tmp_path / "b") == prompts
     assert len(batches) == prompts[-1]["batch"]  # from the second batch on: the first is not redone
     assert own_prompts(model, tokenizer, Eagle3Training(**{**SMALL, "own_prompts": 3}), tmp_path / "b") == prompts[:3]
+
+
+def test_the_features_pass_reads_what_extend_computes_without_logits():
+    """``CausalLM.read`` (the features pass) gives extend's hidden states and features, bit for bit."""
+    target = CausalLM(tiny_llama(seed=5, vocab_size=64, layers=6, init=0.2), 512)
+    target.keep_features(default_aux_layers(6))
+    ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    target.extend(ids, num_logits=len(ids))
+    hidden, features = target.last_hidden.clone(), target.feature_rows(0, 40).clone()  # [40, E], [40, A*E]
+    target.cache.rollback(0)
+    assert torch.equal(target.read(ids), hidden) and torch.equal(target.feature_rows(0, 40), features)
+    assert target.cache.length == 40
 
 
 def test_training_teaches_the_head_the_targets_next_tokens():
