@@ -94,7 +94,7 @@ class Eagle3Head(nn.Module):
         CPU step costs (the drafts stay exact: each carries the q it was drawn from)."""
         self.requires_grad_(False).eval()
         self.to(device=self.target.device, dtype=self.target.dtype)
-        self.draft_to_target = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t  # [Vd]
+        self.draft_to_target = draft_target_ids(self.d2t)  # [Vd]
         if self.target.kernels.native and all(m.in_features % 32 == 0 for ms in self.stacked.values() for m in ms):
             isa = kernel_isa()
             for name, modules in self.stacked.items():
@@ -206,6 +206,11 @@ def shipped_head(model_name: str) -> Path:
     return SHIPPED / model_name.rstrip("/").split("/")[-1]
 
 
+def draft_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of every draft id [Vd], from the layout's offsets: i + d2t[i]."""
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """2, L/2 and L-3: the layers vLLM and SGLang take features from (fewer, distinct, on a target
     too shallow for three)."""
@@ -241,7 +246,7 @@ def load_head(ref: str, target: CausalLM) -> Eagle3Head:
     missing, _ = head.load_state_dict(weights, strict=False)
     if missing:
         raise ConfigError(f"draft_head: {folder} lacks {', '.join(missing[:4])}")
-    if int((torch.arange(head.d2t.shape[0]) + head.d2t).max()) >= target.vocab_size:
+    if int(draft_target_ids(head.d2t).max()) >= target.vocab_size:
         raise ConfigError("draft_head: its d2t maps draft ids past the target's vocabulary")
     head.name = folder.name
     report = folder / "training.json"

@@ -39,7 +39,7 @@ from .eagle3_data import (
     regenerate,
     windows,
 )
-from .eagle3_head import Eagle3Head, default_aux_layers, save_head, shipped_head
+from .eagle3_head import Eagle3Head, default_aux_layers, draft_target_ids, save_head, shipped_head
 from .kernels import rotate
 from .model import CausalLM
 
@@ -164,7 +164,6 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     # topic, are too alike to test on (a twentieth of the windows held out scored 0.38 where unseen
     # prompts gave 0.1-0.17)
     unseen = held_out_prompts(num_prompts)
-    seen = [row for index, row in enumerate(rows) if index % num_prompts not in unseen]
     pieces = windows(rows, settings.window)
     held_out = [piece for piece in pieces if piece[0] % num_prompts in unseen]
     pieces = [piece for piece in pieces if piece[0] % num_prompts not in unseen]
@@ -176,8 +175,9 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     resumed = state is not None and _continues(state["settings"], asdict(settings)) and state["step"] <= total_steps
     same = resumed and state["settings"] == asdict(settings)
     if resumed:  # the checkpoint's vocabulary, whatever data was added
-        draft_ids = state["head"]["d2t"] + torch.arange(len(state["head"]["d2t"]))
+        draft_ids = draft_target_ids(state["head"]["d2t"])
     else:
+        seen = [row for index, row in enumerate(rows) if index % num_prompts not in unseen]
         draft_ids = draft_vocabulary(seen, settings.draft_vocab, target.vocab_size)
     config = head_config(target, len(draft_ids), aux_layers)
     head = new_head(target, config, draft_ids, settings.seed)
