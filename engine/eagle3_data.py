@@ -45,9 +45,11 @@ def own_prompts(generator_model, tokenizer, settings: TrainSettings, work: Path)
     pad = _pad_id(tokenizer)
     seen = {row["turns"][0].lower() for row in kept}
     bar = tqdm(total=settings.own_prompts, initial=len(kept), desc="eagle3: own prompts", unit="prompt", disable=False)
+    # resumed after the last kept turn's batch; a store whose turns carry no batch (kept by hand, or
+    # by an older version) after as many batches as it holds turns (a repeated turn is skipped anyway)
+    first = (kept[-1]["batch"] + 1 if "batch" in kept[-1] else len(kept)) if kept else 0
     # a batch keeps about half its turns (the rest run past PROMPT_TOKENS): stop at a tenth of that
-    last = 20 * settings.own_prompts // settings.generate_batch + 1
-    for batch in range(kept[-1]["batch"] + 1 if kept else 0, last):
+    for batch in range(first, first + 20 * settings.own_prompts // settings.generate_batch + 1):
         if len(kept) >= settings.own_prompts:
             break
         torch.manual_seed(settings.seed + 1_000_003 * (batch + 1))

@@ -147,6 +147,11 @@ def test_the_target_writes_prompts_of_its_own_seeded_new_and_resumed(tmp_path):
     assert own_prompts(model, tokenizer, settings, tmp_path / "b") == prompts
     assert len(batches) == prompts[-1]["batch"]  # from the second batch on: the first is not redone
     assert own_prompts(model, tokenizer, Eagle3Training(**{**SMALL, "own_prompts": 3}), tmp_path / "b") == prompts[:3]
+    # a store whose turns carry no batch (kept by hand or an older version) is continued, not refused
+    bare = [{k: v for k, v in json.loads(line).items() if k != "batch"} for line in first]
+    store.write_text("".join(json.dumps(row) + "\n" for row in bare))
+    more = own_prompts(model, tokenizer, settings, tmp_path / "b")
+    assert more[: len(bare)] == bare and len(more) == 6 and len({p["turns"][0].lower() for p in more}) == 6
 
 
 def test_the_features_pass_reads_what_extend_computes_without_logits():
