@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -180,9 +182,16 @@ def quantize_in_place(model: PreTrainedModel, formats: tuple[str, ...] = ("Q4_1"
     return FileTensors("llama", tensors)
 
 
+def scratch_folder(prefix: str) -> Path:
+    """A new folder for a head a test writes, removed when the test process exits."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def random_medusa_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> Path:
     """A head checkpoint with random weights, so the heads guess differently from the LM head."""
-    folder = Path(tempfile.mkdtemp(prefix="medusa-"))
+    folder = scratch_folder("medusa-")
     torch.manual_seed(seed)
     heads = MedusaHeads(num_heads, hidden_size)
     with torch.no_grad():
@@ -238,7 +247,7 @@ def random_eagle3_head(
         "draft_vocab_size": draft_vocab,
         "max_position_embeddings": config.max_position_embeddings,
     }
-    folder = Path(tempfile.mkdtemp(prefix="eagle3-"))
+    folder = scratch_folder("eagle3-")
     if layout == "eagle":
         from engine.eagle3_head import save_head
 
