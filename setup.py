@@ -8,7 +8,7 @@ import sys
 
 from setuptools import setup
 
-SOURCES = ["blocks_ops.cpp", "blocks_portable.cpp", "blocks_avx2.cpp", "blocks_avx512.cpp", "forward_ops.cpp"]
+SOURCES = ["blocks_ops.cpp", "blocks_portable.cpp", "blocks_avx2.cpp", "blocks_avx512.cpp", "blocks_int8.cpp", "forward_ops.cpp"]
 
 
 def extension_options() -> dict:

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 NATIVE_QUERY_ROWS = 64  # the most query rows per KV head (grouped heads times new tokens) the kernel takes
 
 
-def native_attention(rows: int, dim: int) -> bool:
-    """Whether engine/csrc's kernel takes ``rows`` query rows per KV head of head size ``dim``."""
-    return rows <= NATIVE_QUERY_ROWS and dim % 4 == 0 and dim <= 256
+def native_attention(rows: int, dim: int, any_rows: bool = False) -> bool:
+    """Whether engine/csrc's kernel takes ``rows`` query rows per KV head of head size ``dim``
+    (``any_rows``: as many as come, a prompt's too)."""
+    return (any_rows or rows <= NATIVE_QUERY_ROWS) and dim % 4 == 0 and dim <= 256
 
 
 def attend(
@@ -29,11 +30,13 @@ def attend(
     scale: float,
     chunks: int,
     native: bool = False,
+    rows_alike: bool = False,
 ) -> torch.Tensor:
     """query [1, H_kv, Q, D] over keys and values [1, H_kv, W, D] (mask [Q, W], True: attend; None:
     all) -> [1, H_kv, Q, D]: one SDPA call, ``split_attention`` in ``chunks`` chunks, or (``native``,
-    a few rows of a head size the kernel takes) engine/csrc's kernel."""
-    if native and not chunks and native_attention(query.shape[2], query.shape[3]):
+    a few rows of a head size the kernel takes) engine/csrc's kernel, at any number of rows where
+    ``rows_alike`` (each row's arithmetic then never depends on the rows beside it, as SDPA's may)."""
+    if native and not chunks and native_attention(query.shape[2], query.shape[3], rows_alike):
         return torch.ops.specserve.decode_attention.default(query, keys, values, mask, scale)
     if chunks:
         return split_attention(query, keys, values, mask, scale, chunks)

@@ -7,7 +7,11 @@ kernels of ``engine/csrc`` (built when the project installs, as ``engine/_blocks
 decoded to exactly the float32 weights ``load`` produces (the gguf package's dequantization), and
 multiplied by float32 activations with float32 accumulation. The activations are not quantized. So
 the weights and the output law are unchanged; only the summation order differs, as it does between
-any two BLAS paths.
+any two BLAS paths. A user may ask for llama.cpp's arithmetic instead (``--activations int8``):
+Q4_0 and Q4_1 weights are repacked (engine/int8_blocks.py) and their products round each row of
+activations to int8 per block of 32 and sum in integers (engine/csrc/blocks_int8.cpp), a slightly
+different model, about 3x cheaper per product. Every input then goes through the kernels, whatever
+its length, so a row's arithmetic never depends on the rows beside it.
 
 Up to ``DIRECT_ROWS`` rows (decode and verify) go through the kernel, each decoded block shared by
 all rows; longer inputs (prompts) decode a tile of the weight at a time into a float32 product.
@@ -35,6 +39,8 @@ log = logging.getLogger(__name__)
 # GGML type ids the kernels decode: the embedded model's Q4_1 and Q8_0, and the formats users' files come in
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 ISAS = ("portable", "avx2", "avx512")  # the kernels' instruction sets, by the index the ops take
+INT8_Q4 = 100  # not a GGML type: Q4_0 or Q4_1 blocks repacked for int8 activations (``int8_part``)
+INT8_ROWS = 16  # output rows per repacked group
 DIRECT_ROWS = 16  # rows multiplied by the kernel itself; longer inputs decode tiles into a float32 product
 TILE_BYTES = 4 * 2**20  # float32 bytes of one decoded tile
 
@@ -84,7 +90,7 @@ class BlockPart:
 
     @property
     def rows(self) -> int:
-        return self.blocks.shape[0]
+        return self.blocks.shape[0] * (INT8_ROWS if self.format == INT8_Q4 else 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +102,15 @@ class BlockWeight:
     in_features: int
     bias: torch.Tensor | None
     isa: int
+    # every input through the kernel, whatever its length (with int8 activations: each row's
+    # arithmetic the same whatever rows it comes with); else inputs past DIRECT_ROWS go by tiles
+    rows_alike: bool = False
     out_features: int = field(init=False)  # the parts' rows together
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_features", sum(part.rows for part in self.parts))
+        if any(part.format == INT8_Q4 for part in self.parts):  # int8 parts have no tiled path
+            object.__setattr__(self, "rows_alike", True)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -117,7 +128,9 @@ class BlockWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = rows.new_empty(rows.shape[0], self.out_features)  # [N, O]
-        multiply = self._direct if rows.shape[0] <= DIRECT_ROWS else self._tiled  # decode and verify: the kernel itself
+        multiply = (
+            self._direct if rows.shape[0] <= DIRECT_ROWS or self.rows_alike else self._tiled
+        )  # decode and verify: the kernel itself
         start = 0
         for part in self.parts:
             # [N, O_part], rows out.stride(0) apart; a single part (the usual case) writes out itself
@@ -145,6 +158,11 @@ class BlockWeight:
         """Rows ``ids`` [T] of a one-part weight, decoded from their blocks -> [T, I] float32: an
         embedding lookup in a table held as the tied LM head's blocks."""
         (part,) = self.parts
+        if part.format == INT8_Q4:  # the groups holding the rows, decoded, then the rows themselves
+            groups = BlockPart(part.blocks[ids // INT8_ROWS], part.format)
+            return decode(groups, self.in_features, self.isa).view(-1, INT8_ROWS, self.in_features)[
+                torch.arange(ids.shape[0]), ids % INT8_ROWS
+            ]
         out = torch.empty(ids.shape[0], self.in_features, device=part.blocks.device)  # [T, I]
         torch.ops.specserve.blocks_decode(part.blocks[ids], part.format, self.in_features, self.isa, out)
         return out
@@ -256,13 +274,20 @@ def match_blocks(
     return found, line
 
 
-def offer_blocks(model, file: FileTensors) -> None:
-    """Offer a CausalLM's plan the blocks ``file`` holds for its products (a line says what matched)."""
+def offer_blocks(model, file: FileTensors, int8_activations: bool = False) -> None:
+    """Offer a CausalLM's plan the blocks ``file`` holds for its products (a line says what matched),
+    with ``int8_activations`` repacked where they can be (``int8_weight``)."""
     try:
         products = [(module, name, model.weights.parts(module, name)) for module, name in model.weights.products]
         found, line = match_blocks(file, model.hf_model, products)
     except BlocksUnavailable as error:
         found, line = {}, f"float32 products: {error}"
+    if int8_activations:
+        from .int8_blocks import int8_weight  # which imports this module
+
+        found = {key: int8_weight(weight) for key, weight in found.items()}
+        repacked = sum(all(part.format == INT8_Q4 for part in weight.parts) for weight in found.values())
+        line += f"; int8 activations in {repacked}/{len(found)} (Q4_0 and Q4_1 blocks; the rest float32)"
     log.info("GGUF blocks: %s", line)
     model.weights.offer_blocks(found, line)
 
@@ -279,7 +304,7 @@ def _merged(parts: list[BlockPart]) -> tuple[BlockPart, ...]:
 
 
 def _format_name(format: int) -> str:
-    return next(name for name, value in FORMATS.items() if value == format)
+    return next((name for name, value in FORMATS.items() if value == format), "Q4 for int8 activations")
 
 
 def _matching_part(format: int, blocks: torch.Tensor, weight: torch.Tensor, isa: int) -> BlockPart | None:

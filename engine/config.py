@@ -13,6 +13,9 @@ KERNEL_MODES = ("auto", "eager", "compiled")  # the pointwise work between produ
 # CPU matmul plans (engine/plan_cache.py): read the one stored for this host and model where one matches
 # (else measure and store it), or measure again and replace it
 PLAN_MODES = ("cached", "measure")
+# What a GGUF target's 4-bit block products multiply: float32 activations (exact to the file's
+# float32 model), or activations quantized to int8 per block of 32, as llama.cpp does (engine/csrc/blocks_int8.cpp)
+ACTIVATIONS = ("float32", "int8")
 NO_DRAFTER = "none"  # as a drafter's name: the target alone (a request's, or the engine's default)
 DRAFT_KV = ("auto", "own", "target")
 COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
@@ -58,6 +61,7 @@ class EngineConfig:
     # A GGUF target on CPU may hold its products as the file's own quantized blocks, multiplied in
     # float32 by engine/csrc's kernels, where the matmul plan measures them faster (engine/blocks.py)
     gguf_blocks: bool = True
+    activations: str = "float32"  # one of ACTIVATIONS; "int8" needs gguf_blocks
     # CPU matmul plans (engine/plan_cache.py): "cached" reads the plan stored for this host and model
     # where there is one (else measures and stores it), "measure" measures and replaces it;
     # plan_cache is the folder (None: $XDG_CACHE_HOME/specserve/matmul-plans, ~/.cache/... where unset)
@@ -97,6 +101,10 @@ class EngineConfig:
             raise ConfigError(f"forward must be one of {', '.join(FORWARD_MODES)}, got {self.forward!r}")
         if self.kernels not in KERNEL_MODES:
             raise ConfigError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ConfigError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+        if self.activations == "int8" and not self.gguf_blocks:
+            raise ConfigError("activations int8 multiplies a GGUF target's own blocks, so it needs gguf_blocks")
 
     @property
     def draft_copy(self) -> str | None:

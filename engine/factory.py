@@ -109,9 +109,13 @@ def build_engine(
     limit = getattr(target_model.config, "max_position_embeddings", 4096)
     max_len = config.max_model_len or min(limit, 4096)
     target = CausalLM(target_model, max_len)
+    if config.activations == "int8" and (target_file is None or target.device.type != "cpu"):
+        raise ConfigError(
+            "activations int8 multiplies a GGUF target's own 4-bit blocks, on CPU: this target is not one"
+        )
     if target_file is not None and config.gguf_blocks and target.device.type == "cpu":
         release_freed_memory()  # the weights fusing replaced, before the file is read
-        offer_blocks(target, FileTensors.read(target_file))
+        offer_blocks(target, FileTensors.read(target_file), config.activations == "int8")
     release_freed_memory()
     target.use_kernels(config.kernel_mode, config.compile_backend)  # before copy:auto times it
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None

@@ -330,10 +330,10 @@ class CausalLM:
             qk = self.kernels.rotate(qk.transpose(1, 2), cos, sin)  # [1, H + H_kv, T, D], q and k rotated together
             q, k = qk[:, :heads], qk[:, heads:]  # [1, H, T, D], [1, H_kv, T, D]
             keys, values = self.cache.write(index, positions, k, v, window)  # [1, H_kv, W, D]
-        # The G = H / H_kv query heads sharing a KV head attend as G*T queries of that head: no copies
-        # of keys and values, and a plain attention kernel (with a mask) serves grouped-query models.
+        # The G = H / H_kv query heads of a KV head attend as its G*T queries, masked: K and V not copied
         grouped = q.reshape(1, kv_heads, (heads // kv_heads) * num_new, dim)  # [1, H_kv, G*T, D]
-        out = attend(grouped, keys, values, mask, self.scaling, chunks, self.kernels.native)  # [1, H_kv, G*T, D]
+        alike = self.weights.int8_activations  # int8 activations: every length through the kernel (attend)
+        out = attend(grouped, keys, values, mask, self.scaling, chunks, self.kernels.native, alike)  # [1, H_kv, G*T, D]
         out = out.reshape(1, heads, num_new, dim).transpose(1, 2).reshape(1, num_new, heads * dim)  # [1, T, H*D]
         return self.weights.linear(out, attn.o_proj, "weight")  # [1, T, E]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .blocks import BlockWeight
+from .blocks import INT8_Q4, BlockWeight
 from .errors import ConfigError
 from .matmul import BLOCKS, PACKED, MatmulPlan, PackedWeight, weight_key
 from .plan_cache import PlanCache
@@ -78,6 +78,9 @@ class ProductWeights:
         # the GGUF blocks each product can be held as (``offer_blocks``), and what became of them, in a line
         self.blocks: dict[tuple[int, str], BlockWeight] = {}
         self.blocks_line = ""
+        # products take int8 activations (engine/blocks.py: int8_weight): a row's arithmetic must then
+        # never depend on the rows beside it, since a last-bit difference can move a rounding to int8
+        self.int8_activations = False
 
     @property
     def nbytes(self) -> int:
@@ -121,8 +124,10 @@ class ProductWeights:
         return _fused_parts(module, name) or [module]
 
     def offer_blocks(self, blocks: dict[tuple[int, str], BlockWeight], line: str) -> None:
-        """Let the plan hold these products as GGUF blocks, where it measures them faster."""
+        """Let the plan hold these products as GGUF blocks, where it measures them faster (all of
+        them, with int8 activations: ``int8_activations``)."""
         self.blocks, self.blocks_line = blocks, line
+        self.int8_activations = any(part.format == INT8_Q4 for held in blocks.values() for part in held.parts)
 
     def blocks_by_shape(self) -> dict:
         """The offered GGUF blocks grouped by weight key, as ``MatmulPlan.measure`` times them."""
@@ -140,6 +145,9 @@ class ProductWeights:
             self.use_plan(MatmulPlan())  # measured on the weights as the checkpoint holds them
             by_shape = self.blocks_by_shape()
             weights = self.linear_weights()
+            if self.int8_activations:  # every product through its blocks, unmeasured: each row computed alike
+                self.use_plan(MatmulPlan.uniform(BLOCKS, max_rows, weights))
+                return self.plan
             key = cache.key([weight_key(w) for w in weights], list(by_shape), max_rows) if cache else ""
             self.plan_key = key
             plan = cache.load(key) if cache else None

@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.config import DRAFT_KV, DTYPES, KERNEL_MODES, PLAN_MODES, ConfigError, EngineConfig
+from engine.config import ACTIVATIONS, DRAFT_KV, DTYPES, KERNEL_MODES, PLAN_MODES, ConfigError, EngineConfig
 
 DEFAULT_DRAFT = "copy:auto"  # a copy of the target, bfloat16 or int8 rows, whichever measures faster here
 ENGINE_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
@@ -78,6 +78,11 @@ class ServeSettings(BaseSettings):
     )
     gguf_blocks: bool = engine_field(
         "gguf_blocks", "a GGUF target on CPU multiplies its file's own quantized blocks where faster (exact, float32)"
+    )
+    activations: Literal[ACTIVATIONS] = engine_field(
+        "activations",
+        "what a GGUF target's Q4_0/Q4_1 products multiply on CPU: float32 activations (exact), or int8 per "
+        "block of 32 as llama.cpp does (faster, a slightly different model)",
     )
     matmul_plan: Literal[PLAN_MODES] = engine_field(
         "matmul_plan",

@@ -2,7 +2,9 @@
 decodes to are exactly the gguf package's, on files the tests write and on the embedded one; the
 products agree with float64 within float32 summation bounds at every row count and on every
 instruction set this CPU runs; the plan holds the blocks only by a margin; and an engine without
-the kernels says so and runs float32. The chi-square and greedy suites run the blocks too
+the kernels says so and runs float32. With int8 activations (Q4_0 and Q4_1 repacked): the same
+weights, every row computed alike whatever the row count, the vector and portable paths the same bits,
+and the products llama.cpp's law (activations rounded to int8 per block of 32). The chi-square and greedy suites run the blocks too
 (``model-blocks`` in tests/tiny.py)."""
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ import torch
 
 from engine import blocks as blocks_module
 from engine import matmul as matmul_module
-from engine.blocks import DIRECT_ROWS, FORMATS, BlockPart, BlockWeight, FileTensors, decode, kernel_isa, offer_blocks
+from engine.blocks import (
+    DIRECT_ROWS,
+    FORMATS,
+    INT8_Q4,
+    BlockPart,
+    BlockWeight,
+    FileTensors,
+    decode,
+    kernel_isa,
+    offer_blocks,
+)
+from engine.int8_blocks import int8_part, int8_weight
 from engine.loader import embedded_gguf
 from engine.matmul import BLOCKS, HELD_MARGIN, LONG, MatmulPlan, _held_choice
 from tests.tiny import quantize_in_place, tiny_engine, tiny_llama
@@ -78,6 +91,66 @@ def test_products_agree_with_float64_within_float32_summation_bounds(name):
             exact = x.double() @ dense.T
             bound = in_features * 2.0**-24 * (x.double().abs() @ dense.abs().T) + 1e-30
             assert (product - exact).abs().le(bound).all(), f"{name}, isa {isa}, {rows} rows"
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_int8_repacking_keeps_the_weights_and_their_rows(name):
+    data = torch.from_numpy(written_blocks(name, rows=48, columns=256, seed=7))
+    original = BlockPart(data, FORMATS[name])
+    repacked = int8_part(original, 256)
+    assert repacked.format == INT8_Q4 and repacked.rows == 48 and repacked.blocks.nbytes == 48 * 8 * 20  # Q4_1's size
+    assert torch.equal(decode(repacked, 256, kernel_isa()), decode(original, 256, kernel_isa()))
+    ids = torch.tensor([0, 17, 47, 17, 5])
+    weight = BlockWeight((repacked,), 256, None, kernel_isa())
+    assert torch.equal(weight.rows(ids), decode(original, 256, kernel_isa())[ids])
+    assert int8_part(BlockPart(data[:40], FORMATS[name]), 256) is None  # rows not in sixteens
+    q8 = BlockPart(torch.from_numpy(written_blocks("Q8_0", 16, 256, seed=1)), FORMATS["Q8_0"])
+    assert int8_part(q8, 256) is None and int8_weight(BlockWeight((q8,), 256, None, 0)).parts == (q8,)
+
+
+def int8_law(x: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8-activation product in float64, and its error scale: each row of x [N, I] rounded
+    to int8 per block of 32 in float32 as the kernels round it (scale max|x| / 127, values
+    rint(x * (127 / max|x|))), then sum_b scale_b * (w_b . x_q,b) [N, O] and sum_b |scale_b| |w_b| . |x_q,b|."""
+    blocks = x.numpy().reshape(x.shape[0], -1, 32)  # [N, B, 32] float32
+    largest = np.abs(blocks).max(-1, keepdims=True)  # [N, B, 1]
+    with np.errstate(divide="ignore"):
+        inverse = np.where(largest > 0, np.float32(127) / largest, np.float32(0)).astype(np.float32)
+    values = np.rint(blocks * inverse)  # [N, B, 32], float32 products rounded half to even
+    scales = torch.from_numpy((largest / np.float32(127)).astype(np.float32)).double()  # [N, B, 1]
+    per_block = torch.einsum(
+        "nbj,obj->nob", torch.from_numpy(values).double(), dense.double().view(dense.shape[0], -1, 32)
+    )
+    magnitude = torch.einsum(
+        "nbj,obj->nob", torch.from_numpy(values).double().abs(), dense.double().abs().view(dense.shape[0], -1, 32)
+    )
+    return (per_block * scales.transpose(1, 2)).sum(-1), (magnitude * scales.transpose(1, 2)).sum(-1)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_int8_products_follow_llama_cpps_law_the_same_for_every_row_and_path(name):
+    """Every row count from 1 to 20 and 64 (the kernel at every length), on the portable path and
+    the vector one: a row's product is the same bits whatever rows it is multiplied with, the two
+    paths give the same bits, and the value is the int8 law's within float32 rounding of its sum
+    (and about 1% from the float32 product's)."""
+    out_features, in_features = 48, 512
+    part = int8_part(
+        BlockPart(torch.from_numpy(written_blocks(name, out_features, in_features, seed=3)), FORMATS[name]), in_features
+    )
+    paths = sorted({0, kernel_isa()})
+    weights = [BlockWeight((part,), in_features, None, isa) for isa in paths]
+    dense = weights[0].dense()  # [O, I]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, in_features, generator=generator)  # [64, I]
+    x[3, :32] = 0.0  # a block of zeros: scale 0
+    alone = torch.cat([weights[-1].linear(x[i : i + 1]) for i in range(64)])  # [64, O], one row at a time
+    for weight in weights:
+        for rows in [*range(1, 21), 64]:
+            assert torch.equal(weight.linear(x[:rows]), alone[:rows]), f"{name}, isa {weight.isa}, {rows} rows"
+    exact, magnitude = int8_law(x, dense)
+    assert (alone.double() - exact).abs().le(1e-5 * magnitude + 1e-30).all()
+    float32 = x @ dense.T
+    assert 0 < float((alone - float32).norm() / float32.norm()) < 0.03
 
 
 def test_fused_parts_and_bias_land_in_their_columns():
@@ -333,3 +406,15 @@ def test_a_plan_timed_while_other_processes_have_the_cores_is_not_stored(tmp_pat
     # --matmul-plan measure on a busy host: the plan stored before is dropped, not kept as if new
     PlanCache(tmp_path, remeasure=True).save("k", busy)
     assert not (tmp_path / "k.json").exists()
+
+
+def test_int8_activations_are_refused_where_they_cannot_apply():
+    from engine.config import EngineConfig
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="activations must be one of float32, int8"):
+        EngineConfig(activations="int4")
+    with pytest.raises(ConfigError, match="needs gguf_blocks"):
+        EngineConfig(activations="int8", gguf_blocks=False)
+    with pytest.raises(ConfigError, match="GGUF target's own 4-bit blocks"):
+        tiny_engine(tiny_llama(seed=1, vocab_size=64), None, activations="int8")  # not read from a GGUF file

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -342,3 +343,79 @@ def test_eos_and_max_tokens_end_generation():
         engine.generate(Request("l", [5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
     )
     assert len([t for o in outputs for t in o.token_ids]) == 5 and outputs[-1].finish_reason == "length"
+
+
+# ---- int8 activations (--activations int8): another target, whose own forward gives the law ----
+
+
+class EngineForward:
+    """A target-only engine's forward, called as exact_distribution calls a model: the logits of a
+    prefix from the engine's own products. With int8 activations that is the target, not the
+    float32 model its blocks decode to (tests/test_blocks.py proves the products' law)."""
+
+    def __init__(self, engine) -> None:
+        self.target = engine.target
+
+    def __call__(self, ids: torch.Tensor):  # [1, T] -> .logits [1, 1, V]
+        self.target.cache.rollback(0)
+        return SimpleNamespace(logits=self.target.extend(ids[0].tolist())[None])
+
+
+def int8_target_engine(seed: int, vocab: int, init: float, draft, num_draft_tokens: int):
+    """An engine whose target's products take int8 activations (Q4_0 and Q4_1 blocks), drafted by ``draft``."""
+    target = tiny_llama(seed=seed, vocab_size=vocab, init=init)
+    engine = setup_engine("model-blocks", target, draft, int8_activations=True, num_draft_tokens=num_draft_tokens)
+    assert "int8 activations in 8/9" in engine.target.weights.blocks_line
+    return engine
+
+
+def test_int8_activation_samples_match_the_int8_targets_distribution():
+    params = SamplingParams(max_tokens=2, temperature=0.8, top_k=4)
+    draft = tiny_llama(seed=1, vocab_size=VOCAB, init=0.12)
+    engine = int8_target_engine(0, VOCAB, 0.12, draft, num_draft_tokens=1)
+    reference = int8_target_engine(0, VOCAB, 0.12, draft, num_draft_tokens=1)
+    engine._seeds.manual_seed(1234)
+    counts, stats = sample_continuations(engine, params, SAMPLES)
+    assert stats.drafted_tokens > 0
+    pvalue = chi_square_pvalue(counts, exact_distribution(EngineForward(reference), params, 2))
+    assert pvalue > ALPHA, f"speculative samples differ from the int8 target's distribution (p={pvalue:.2e})"
+
+
+@pytest.mark.parametrize("num_draft_tokens", [1, 4])
+def test_int8_activation_greedy_speculative_equals_its_target_only_greedy(num_draft_tokens):
+    """A verify row is the decode step's row bit for bit, so drafting changes no token."""
+    base = tiny_llama(seed=3, vocab_size=96, init=0.2)
+    engine = int8_target_engine(3, 96, 0.2, perturbed_copy(base, noise=0.05, seed=1), num_draft_tokens)
+    generator = torch.Generator().manual_seed(num_draft_tokens)
+    total, params = SpecStats(), SamplingParams(max_tokens=24, temperature=0.0)
+    for i, length in enumerate((3, 5, 8, 11, 6, 9)):
+        prompt = torch.randint(0, 96, (length,), generator=generator).tolist()
+        alone = [t for o in engine.generate(Request(f"a{i}", prompt, params, drafter="none")) for t in o.token_ids]
+        outputs = list(engine.generate(Request(f"s{i}", prompt, params)))
+        assert [t for o in outputs for t in o.token_ids] == alone
+        total.add(outputs[-1].stats)
+    assert 0 < total.accepted_tokens < total.drafted_tokens
+
+
+def test_int8_activation_logits_are_the_same_bits_however_the_rows_are_grouped():
+    """A position's logits from a 48-row prompt pass, from 1-row decode steps and from 5-row verify
+    passes are equal bit for bit: with int8 activations a last-bit difference anywhere (an attention
+    kernel that blocks by length, say) could move a rounding to int8, and greedy output would depend
+    on the drafts. Without blocks the float32 paths differ in the last bits (the control)."""
+    draft = tiny_llama(seed=1, vocab_size=96, init=0.2)
+    prompt = torch.randint(0, 96, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    targets = {True: int8_target_engine(3, 96, 0.2, draft, 4).target}
+    targets[False] = tiny_engine(tiny_llama(seed=3, vocab_size=96, init=0.2), None).target
+    for int8, target in targets.items():
+        target.cache.rollback(0)
+        whole = target.extend(prompt, num_logits=len(prompt))  # [48, V]
+        target.cache.rollback(0)
+        stepped = torch.cat([target.extend([token]) for token in prompt])  # [48, V]
+        target.cache.rollback(0)
+        grouped = torch.cat(
+            [target.extend(prompt[i : i + 5], num_logits=len(prompt[i : i + 5])) for i in range(0, 48, 5)]
+        )
+        same = torch.equal(whole, stepped) and torch.equal(whole, grouped)
+        assert same == int8, (
+            f"int8 activations {int8}: rows grouped differently give {'the same' if same else 'other'} bits"
+        )

@@ -70,3 +70,27 @@ def test_the_shipped_heads_samples_follow_the_targets_law(loaded):
     assert total.drafted_tokens > 0 and total.accepted_tokens > 0  # it drafted, and the target took some
     pvalue = chi_square_pvalue(counts, law)
     assert pvalue > ALPHA, f"samples with the shipped head differ from the target's law (p={pvalue:.2e})"
+
+
+def test_with_int8_activations_the_heads_greedy_output_is_the_int8_targets(loaded):
+    """--activations int8 makes another target (llama.cpp's arithmetic): the head drafts for it and
+    greedy output is its own target-only output, token for token, prompt rows and verify rows alike."""
+    config = EngineConfig(
+        drafter="eagle3", num_draft_tokens=4, max_model_len=512, device="cpu", forward="eager", activations="int8"
+    )
+    int8 = load_engine(config, show_progress=False).engine
+    assert "int8 activations in 120/121" in int8.warm_up_report
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    total, differs = SpecStats(), False
+    for i, text in enumerate(("Name three rivers in Europe.", "Write a Python function that adds two numbers.")):
+        prompt = prompt_ids(loaded, text)
+        alone = [t for o in int8.generate(Request(f"a{i}", prompt, params, drafter="none")) for t in o.token_ids]
+        outputs = list(int8.generate(Request(f"s{i}", prompt, params)))
+        assert [t for o in outputs for t in o.token_ids] == alone
+        total.add(outputs[-1].stats)
+        float32 = [
+            t for o in loaded.engine.generate(Request(f"f{i}", prompt, params, drafter="none")) for t in o.token_ids
+        ]
+        differs = differs or float32 != alone
+    assert total.accepted_tokens > 0
+    print(f"int8 activations: the float32 target's greedy output {'differs' if differs else 'is the same'}")

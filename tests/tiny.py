@@ -268,7 +268,11 @@ def random_eagle3_head(
     return folder
 
 
-def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, **kwargs) -> SpecEngine:
+def setup_engine(
+    setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, int8_activations: bool = False, **kwargs
+) -> SpecEngine:
+    """An engine for ``setup``; ``int8_activations`` (with model-blocks) repacks the blocks for them:
+    a different target from ``target``, whose law the test then takes from the engine's own forward."""
     needs_draft, options = {**DRAFTER_SETUPS, **DEVICE_PATH_SETUPS}[setup]
     if options["drafter"] == "medusa":
         options = {**options, "medusa_heads": str(random_medusa_heads(target.config.hidden_size))}
@@ -276,13 +280,14 @@ def setup_engine(setup: str, target: LlamaForCausalLM, draft: LlamaForCausalLM, 
         options = {**options, "draft_head": str(random_eagle3_head(target, seed=1))}
     if options.get("draft_ref") == "copy:int8":  # quantized from a bfloat16 copy, as the loader makes one
         draft = copy.deepcopy(draft).to(torch.bfloat16)
-    file = quantize_in_place(target) if setup == "model-blocks" else None  # the test's reference reads it too
+    formats = ("Q4_1", "Q4_0") if int8_activations else ("Q4_1", "Q8_0", "Q4_0", "Q5_1", "Q5_0")
+    file = quantize_in_place(target, formats) if setup == "model-blocks" else None  # the test's reference reads it too
     if file is not None:  # the engine frees the weights it holds as blocks: the reference keeps its own
         target = copy.deepcopy(target)
     engine = tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
     if file is not None:  # every product through the blocks, at every row count
         weights = engine.target.weights
-        offer_blocks(engine.target, file)
+        offer_blocks(engine.target, file, int8_activations)
         assert len(weights.blocks) == len(weights.products), weights.blocks_line
         weights.use_plan(MatmulPlan.uniform(BLOCKS, engine.config.num_draft_tokens + 2, weights.linear_weights()))
     if options["drafter"] == "auto":  # try another candidate every step: choices change mid-request

@@ -26,13 +26,14 @@ int64_t block_elements(int64_t format) { return format == kQ4_K || format == kQ6
 
 void check(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa) {
   TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ5_0 || format == kQ5_1 || format == kQ8_0 ||
-                  format == kQ4_K || format == kQ6_K,
+                  format == kQ4_K || format == kQ6_K || format == kInt8Q4,
               "unsupported block format ", format);
   TORCH_CHECK(has_isa(isa), "this CPU lacks instruction set ", isa);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.stride(1) == 1,
               "blocks must be a CPU uint8 [O, row bytes] tensor with contiguous rows");
   TORCH_CHECK(in_features % block_elements(format) == 0, "in_features must be a multiple of the block size");
+  TORCH_CHECK(format != kInt8Q4 || blocks.size(1) == in_features * 10, "an int8 weight's groups are 320 bytes a block");
 }
 
 // at least 8 output rows per task, and about as many tasks as threads
@@ -41,12 +42,13 @@ int64_t grain(int64_t rows) { return std::max<int64_t>(8, rows / (4 * at::get_nu
 void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa, at::Tensor& out) {
   check(blocks, format, in_features, isa);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
-                  out.size(0) == blocks.size(0) && out.size(1) == in_features,
+                  out.size(0) == output_rows(blocks, format) && out.size(1) == in_features,
               "out must be float32 [O, in_features] with contiguous rows");
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* os = out.data_ptr<float>();
   const int64_t row_bytes = blocks.stride(0), o_stride = out.stride(0);
   at::parallel_for(0, blocks.size(0), grain(blocks.size(0)), [&](int64_t begin, int64_t end) {
+    if (format == kInt8Q4) return int8_decode(w, in_features, begin, end, os, o_stride);
     auto run = isa == 2 ? avx512::decode : isa == 1 ? avx2::decode : portable::decode;
     run(static_cast<int>(format), w, row_bytes, in_features, begin, end, os, o_stride);
   });
@@ -54,18 +56,23 @@ void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features
 
 }  // namespace
 
+int64_t output_rows(const at::Tensor& blocks, int64_t format) {
+  return blocks.size(0) * (format == kInt8Q4 ? kInt8Rows : 1);
+}
+
 void blocks_times(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa,
                   at::Tensor& out) {
   check(blocks, format, in_features, isa);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == in_features,
               "x must be float32 [N, in_features] with contiguous rows");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
-                  out.size(1) == blocks.size(0),
+                  out.size(1) == output_rows(blocks, format),
               "out must be float32 [N, O] with contiguous rows");
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t row_bytes = blocks.stride(0), num_rows = x.size(0), x_stride = x.stride(0), o_stride = out.stride(0);
+  if (format == kInt8Q4) return int8_times(xs, num_rows, x_stride, w, blocks.size(0), in_features, isa, os, o_stride);
   at::parallel_for(0, blocks.size(0), grain(blocks.size(0)), [&](int64_t begin, int64_t end) {
     auto run = isa == 2 ? avx512::times : isa == 1 ? avx2::times : portable::times;
     run(static_cast<int>(format), w, row_bytes, in_features, begin, end, xs, num_rows, x_stride, os, o_stride);
@@ -81,6 +88,7 @@ TORCH_LIBRARY(specserve, m) {
   m.def("blocks_decode(Tensor blocks, int format, int in_features, int isa, Tensor(a!) out) -> ()");
   m.def("blocks_isa() -> int");
   m.def("blocks_has_isa(int isa) -> bool");
+  m.def("blocks_has_vnni() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
@@ -91,4 +99,5 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
 TORCH_LIBRARY_IMPL(specserve, CompositeExplicitAutograd, m) {
   m.impl("blocks_isa", specserve_blocks::best_isa);
   m.impl("blocks_has_isa", specserve_blocks::has_isa);
+  m.impl("blocks_has_vnni", specserve_blocks::has_vnni);
 }

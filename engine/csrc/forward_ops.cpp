@@ -228,7 +228,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   check_float(hidden, "hidden");
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "hidden must be [1, T, E]");
   const int64_t length = hidden.size(1), width = hidden.size(2), kv_heads = keys.size(1), dim = keys.size(3);
-  const int64_t inner = gate_up_blocks.size(0) / 2;
+  const int64_t inner = specserve_blocks::output_rows(gate_up_blocks, gate_up_format) / 2;
+  const int64_t qkv_width = specserve_blocks::output_rows(qkv_blocks, qkv_format);
   at::Tensor entering, x;
   if (delta.has_value()) {
     std::tie(entering, x) = add_rms_norm(hidden, *delta, input_norm, eps);
@@ -236,8 +237,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     entering = hidden;
     x = rms_norm(hidden, input_norm, eps);
   }
-  at::Tensor qkv = at::empty({1, length, qkv_blocks.size(0)}, hidden.options());  // [1, T, (H + 2 H_kv) D]
-  at::Tensor qkv_rows = qkv.view({length, qkv_blocks.size(0)});
+  at::Tensor qkv = at::empty({1, length, qkv_width}, hidden.options());  // [1, T, (H + 2 H_kv) D]
+  at::Tensor qkv_rows = qkv.view({length, qkv_width});
   specserve_blocks::blocks_times(x.view({length, width}), qkv_blocks, qkv_format, width, isa, qkv_rows);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   const at::Tensor q = rotate_into_cache(qkv, cos, sin, keys, values, heads, start);  // [1, H, T, D]
