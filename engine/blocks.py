@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 # GGML type ids the kernels decode: the embedded model's Q4_1 and Q8_0, and the formats users' files come in
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 ISAS = ("portable", "avx2", "avx512")  # the kernels' instruction sets, by the index the ops take
-INT8_Q4 = 100  # not a GGML type: Q4_0 or Q4_1 blocks repacked for int8 activations (``int8_part``)
+# not GGML types: Q4_0 or Q4_1, and Q8_0, blocks repacked for int8 activations (engine/int8_blocks.py)
+INT8_Q4, INT8_Q8 = 100, 101
+INT8_FORMATS = (INT8_Q4, INT8_Q8)
 INT8_ROWS = 16  # output rows per repacked group
 DIRECT_ROWS = 16  # rows multiplied by the kernel itself; longer inputs decode tiles into a float32 product
 TILE_BYTES = 4 * 2**20  # float32 bytes of one decoded tile
@@ -90,7 +92,7 @@ class BlockPart:
 
     @property
     def rows(self) -> int:
-        return self.blocks.shape[0] * (INT8_ROWS if self.format == INT8_Q4 else 1)
+        return self.blocks.shape[0] * (INT8_ROWS if self.format in INT8_FORMATS else 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +111,7 @@ class BlockWeight:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_features", sum(part.rows for part in self.parts))
-        if any(part.format == INT8_Q4 for part in self.parts):  # int8 parts have no tiled path
+        if any(part.format in INT8_FORMATS for part in self.parts):  # int8 parts have no tiled path
             object.__setattr__(self, "rows_alike", True)
 
     @property
@@ -158,7 +160,7 @@ class BlockWeight:
         """Rows ``ids`` [T] of a one-part weight, decoded from their blocks -> [T, I] float32: an
         embedding lookup in a table held as the tied LM head's blocks."""
         (part,) = self.parts
-        if part.format == INT8_Q4:  # the groups holding the rows, decoded, then the rows themselves
+        if part.format in INT8_FORMATS:  # the groups holding the rows, decoded, then the rows themselves
             groups = BlockPart(part.blocks[ids // INT8_ROWS], part.format)
             return decode(groups, self.in_features, self.isa).view(-1, INT8_ROWS, self.in_features)[
                 torch.arange(ids.shape[0]), ids % INT8_ROWS
@@ -286,8 +288,8 @@ def offer_blocks(model, file: FileTensors, int8_activations: bool = False) -> No
         from .int8_blocks import int8_weight  # which imports this module
 
         found = {key: int8_weight(weight) for key, weight in found.items()}
-        repacked = sum(all(part.format == INT8_Q4 for part in weight.parts) for weight in found.values())
-        line += f"; int8 activations in {repacked}/{len(found)} (Q4_0 and Q4_1 blocks; the rest float32)"
+        repacked = sum(all(part.format in INT8_FORMATS for part in weight.parts) for weight in found.values())
+        line += f"; int8 activations in {repacked}/{len(found)} (Q4_0, Q4_1 and Q8_0 blocks; the rest float32)"
     log.info("GGUF blocks: %s", line)
     model.weights.offer_blocks(found, line)
 
@@ -304,7 +306,7 @@ def _merged(parts: list[BlockPart]) -> tuple[BlockPart, ...]:
 
 
 def _format_name(format: int) -> str:
-    return next((name for name, value in FORMATS.items() if value == format), "Q4 for int8 activations")
+    return next((name for name, value in FORMATS.items() if value == format), "repacked for int8 activations")
 
 
 def _matching_part(format: int, blocks: torch.Tensor, weight: torch.Tensor, isa: int) -> BlockPart | None:

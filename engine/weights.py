@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .blocks import INT8_Q4, BlockWeight
+from .blocks import INT8_FORMATS, BlockWeight
 from .errors import ConfigError
 from .matmul import BLOCKS, PACKED, MatmulPlan, PackedWeight, weight_key
 from .plan_cache import PlanCache
@@ -127,7 +127,7 @@ class ProductWeights:
         """Let the plan hold these products as GGUF blocks, where it measures them faster (all of
         them, with int8 activations: ``int8_activations``)."""
         self.blocks, self.blocks_line = blocks, line
-        self.int8_activations = any(part.format == INT8_Q4 for held in blocks.values() for part in held.parts)
+        self.int8_activations = any(part.format in INT8_FORMATS for held in blocks.values() for part in held.parts)
 
     def blocks_by_shape(self) -> dict:
         """The offered GGUF blocks grouped by weight key, as ``MatmulPlan.measure`` times them."""

@@ -28,6 +28,7 @@ from engine.blocks import (
     DIRECT_ROWS,
     FORMATS,
     INT8_Q4,
+    INT8_Q8,
     BlockPart,
     BlockWeight,
     FileTensors,
@@ -93,19 +94,21 @@ def test_products_agree_with_float64_within_float32_summation_bounds(name):
             assert (product - exact).abs().le(bound).all(), f"{name}, isa {isa}, {rows} rows"
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_int8_repacking_keeps_the_weights_and_their_rows(name):
     data = torch.from_numpy(written_blocks(name, rows=48, columns=256, seed=7))
     original = BlockPart(data, FORMATS[name])
     repacked = int8_part(original, 256)
-    assert repacked.format == INT8_Q4 and repacked.rows == 48 and repacked.blocks.nbytes == 48 * 8 * 20  # Q4_1's size
+    block_bytes = 36 if name == "Q8_0" else 20  # Q4_1's size; Q8_0's and its m
+    assert repacked.format == (INT8_Q8 if name == "Q8_0" else INT8_Q4)
+    assert repacked.rows == 48 and repacked.blocks.nbytes == 48 * 8 * block_bytes
     assert torch.equal(decode(repacked, 256, kernel_isa()), decode(original, 256, kernel_isa()))
     ids = torch.tensor([0, 17, 47, 17, 5])
     weight = BlockWeight((repacked,), 256, None, kernel_isa())
     assert torch.equal(weight.rows(ids), decode(original, 256, kernel_isa())[ids])
     assert int8_part(BlockPart(data[:40], FORMATS[name]), 256) is None  # rows not in sixteens
-    q8 = BlockPart(torch.from_numpy(written_blocks("Q8_0", 16, 256, seed=1)), FORMATS["Q8_0"])
-    assert int8_part(q8, 256) is None and int8_weight(BlockWeight((q8,), 256, None, 0)).parts == (q8,)
+    q6 = BlockPart(torch.from_numpy(written_blocks("Q6_K", 16, 256, seed=1)), FORMATS["Q6_K"])
+    assert int8_part(q6, 256) is None and int8_weight(BlockWeight((q6,), 256, None, 0)).parts == (q6,)
 
 
 def int8_law(x: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +130,7 @@ def int8_law(x: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.
     return (per_block * scales.transpose(1, 2)).sum(-1), (magnitude * scales.transpose(1, 2)).sum(-1)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_int8_products_follow_llama_cpps_law_the_same_for_every_row_and_path(name):
     """Every row count from 1 to 20 and 64 (the kernel at every length), on the portable path and
     the vector one: a row's product is the same bits whatever rows it is multiplied with, the two

@@ -7,8 +7,9 @@
 namespace specserve_blocks {
 
 enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
-// not a GGML type: Q4_0 or Q4_1 blocks repacked 16 rows at a time for int8 activations (blocks_int8.cpp)
-constexpr int kInt8Q4 = 100, kInt8Rows = 16;
+// not GGML types: Q4_0 or Q4_1 (kInt8Q4), or Q8_0 (kInt8Q8), blocks repacked 16 rows at a time for
+// int8 activations (blocks_int8.cpp), 320 and 576 bytes per block of a group
+constexpr int kInt8Q4 = 100, kInt8Q8 = 101, kInt8Rows = 16;
 
 static inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
@@ -46,13 +47,14 @@ SPECSERVE_DECLARE(avx512)
 
 int64_t best_isa();
 
-// blocks_int8.cpp: whether this CPU runs its vector path; x [N, I] (rows x_stride apart) times a kInt8Q4
-// weight of num_groups groups into out [N, 16 num_groups] (by the vector path where isa is 2 and the
-// CPU has it, else the portable one: the same bits); and groups [g_begin, g_end) decoded to float32
+// blocks_int8.cpp: whether this CPU runs its vector path; x [N, I] (rows x_stride apart) times a
+// kInt8Q4 or kInt8Q8 weight of num_groups groups into out [N, 16 num_groups] (by the vector path where
+// isa is 2 and the CPU has it, else the portable one: the same bits); and groups [g_begin, g_end)
+// decoded to float32
 bool has_vnni();
-void int8_times(const float* x, int64_t num_rows, int64_t x_stride, const uint8_t* packed, int64_t num_groups,
-                int64_t in_features, int64_t isa, float* out, int64_t out_stride);
-void int8_decode(const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end, float* out,
-                 int64_t out_stride);  // the widest instruction set this CPU runs: 0 portable, 1 AVX2, 2 AVX-512
+void int8_times(int64_t format, const float* x, int64_t num_rows, int64_t x_stride, const uint8_t* packed,
+                int64_t num_groups, int64_t in_features, int64_t isa, float* out, int64_t out_stride);
+void int8_decode(int64_t format, const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end,
+                 float* out, int64_t out_stride);  // the widest instruction set this CPU runs: 0 portable, 1 AVX2, 2 AVX-512
 
 }  // namespace specserve_blocks

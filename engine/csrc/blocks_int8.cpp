@@ -1,10 +1,12 @@
-// Products of 4-bit blocks with int8 activations, as llama.cpp computes them: each row of activations
-// is quantized to int8 in blocks of 32 (one float scale per block), and a block's dot product is
-// taken in integers, exactly, then scaled. The weights are Q4_0 or Q4_1 blocks repacked 16 output
-// rows at a time (kInt8Q4, packed_q4 in engine/blocks.py): per group of 16 rows and block of 32
-// inputs, 320 bytes: 4 x 64 bytes of nibbles, lane-major (byte 4 * row + j: input 8 s + j in the
-// low nibble, 8 s + 4 + j in the high one, for s = 0..3), then the 16 rows' d and m as float16.
-// A weight is w = d * q + m (Q4_0: m = -8 d, exact), so a block contributes
+// Products with int8 activations, as llama.cpp computes them: each row of activations is
+// quantized to int8 in blocks of 32 (one float scale per block), and a block's dot product is taken
+// in integers, exactly, then scaled. The weights are Q4_0, Q4_1 or Q8_0 blocks repacked 16 output
+// rows at a time (kInt8Q4 and kInt8Q8; engine/int8_blocks.py): per group of 16 rows and block of 32
+// inputs, the rows' unsigned values lane-major, four inputs at a time (operand k, 64 bytes, holds
+// inputs 4 k .. 4 k + 3 of each row: byte 4 * row + j), then the 16 rows' d and m as float16.
+// kInt8Q4 keeps 4-bit values two to a byte (operands 2 s and 2 s + 1 in the low and high nibbles
+// of 64 bytes), kInt8Q8 8-bit ones (Q8_0's q + 128). A weight is w = d * q + m (Q4_0: m = -8 d;
+// Q8_0: m = -128 d), so a block contributes
 //   d * d_x * sum(q * x_q) + m * (d_x * sum(x_q)),
 // the integer sum taken by AVX-512 VNNI (vpdpbusd: 16 rows x 4 inputs per instruction) where the
 // CPU has it, else by portable code whose every float operation is the same (fused multiply-adds
@@ -30,7 +32,20 @@
 namespace specserve_blocks {
 namespace {
 
-constexpr int64_t kGroup = 16, kBlock = 32, kNibbleBytes = 256, kPackedBytes = 320;
+constexpr int64_t kGroup = 16, kBlock = 32;
+
+// The two layouts: the bytes of a block's values, and value j of operand k for a lane (row).
+struct Nibbles {
+  static constexpr int64_t kValueBytes = 256;
+  static inline int32_t value(const uint8_t* block, int k, int lane, int j) {
+    const uint8_t byte = block[64 * (k / 2) + 4 * lane + j];
+    return k % 2 == 0 ? byte & 15 : byte >> 4;
+  }
+};
+struct Bytes {
+  static constexpr int64_t kValueBytes = 512;
+  static inline int32_t value(const uint8_t* block, int k, int lane, int j) { return block[64 * k + 4 * lane + j]; }
+};
 
 struct Activations {
   const int8_t* values;  // [N, I]
@@ -63,8 +78,10 @@ void quantize_rows(const float* x, int64_t num_rows, int64_t x_stride, int64_t i
 }
 
 // The portable path: groups [g_begin, g_end) for rows [0, R), out rows out_stride apart.
+template <typename L>
 void groups_portable(const uint8_t* packed, const Activations& a, int64_t num_rows, int64_t g_begin, int64_t g_end,
                      float* out, int64_t out_stride) {
+  constexpr int64_t kPackedBytes = L::kValueBytes + 4 * kGroup;
   const int64_t num_blocks = a.in_features / kBlock;
   for (int64_t g = g_begin; g < g_end; ++g) {
     for (int64_t n = 0; n < num_rows; ++n) {
@@ -74,17 +91,14 @@ void groups_portable(const uint8_t* packed, const Activations& a, int64_t num_ro
         const int8_t* xq = a.values + n * a.in_features + b * kBlock;
         const float scale = a.scales[n * num_blocks + b], sum = a.sums[n * num_blocks + b];
         for (int lane = 0; lane < kGroup; ++lane) {
-          int32_t even = 0, odd = 0;  // the low and the high nibbles' sums, as the vector path keeps them
-          for (int s = 0; s < 4; ++s) {
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = block[64 * s + 4 * lane + j];
-              even += (byte & 15) * xq[8 * s + j];
-              odd += (byte >> 4) * xq[8 * s + 4 + j];
-            }
+          int32_t even = 0, odd = 0;  // the even and the odd operands' sums, as the vector path keeps them
+          for (int k = 0; k < 8; ++k) {
+            int32_t& total = k % 2 == 0 ? even : odd;
+            for (int j = 0; j < 4; ++j) total += L::value(block, k, lane, j) * xq[4 * k + j];
           }
           uint16_t d, m;
-          std::memcpy(&d, block + kNibbleBytes + 2 * lane, 2);
-          std::memcpy(&m, block + kNibbleBytes + 2 * kGroup + 2 * lane, 2);
+          std::memcpy(&d, block + L::kValueBytes + 2 * lane, 2);
+          std::memcpy(&m, block + L::kValueBytes + 2 * kGroup + 2 * lane, 2);
           acc[lane] = std::fmaf(static_cast<float>(even + odd), half_to_float(d) * scale, acc[lane]);
           shift[lane] = std::fmaf(half_to_float(m), sum, shift[lane]);
         }
@@ -119,24 +133,34 @@ INT8_TARGET void quantize_rows_vnni(const float* x, int64_t num_rows, int64_t x_
   }
 }
 
-// R rows of one group: each block's nibbles are unpacked once and multiplied into every row.
-template <int R>
+// A block's 8 operands: the nibbles unpacked, or the bytes as they are.
+INT8_TARGET inline void operands(const uint8_t* block, Nibbles, __m512i* out) {
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int s = 0; s < 4; ++s) {
+    const __m512i bytes = _mm512_loadu_si512(block + 64 * s);
+    out[2 * s] = _mm512_and_si512(bytes, low);
+    out[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+  }
+}
+INT8_TARGET inline void operands(const uint8_t* block, Bytes, __m512i* out) {
+  for (int k = 0; k < 8; ++k) out[k] = _mm512_loadu_si512(block + 64 * k);
+}
+
+// R rows of one group: each block's operands are loaded once and multiplied into every row.
+template <typename L, int R>
 INT8_TARGET void group_rows_vnni(const uint8_t* group, const Activations& a, int64_t row0, float* out,
                                  int64_t out_stride) {
+  constexpr int64_t kPackedBytes = L::kValueBytes + 4 * kGroup;
   const int64_t num_blocks = a.in_features / kBlock;
-  const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[R], shift[R];
   for (int r = 0; r < R; ++r) acc[r] = shift[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = group + b * kPackedBytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kNibbleBytes)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kNibbleBytes + 32)));
-    __m512i nibbles[8];
-    for (int s = 0; s < 4; ++s) {
-      const __m512i bytes = _mm512_loadu_si512(block + 64 * s);
-      nibbles[2 * s] = _mm512_and_si512(bytes, low);
-      nibbles[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + L::kValueBytes)));
+    const __m512 m =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + L::kValueBytes + 2 * kGroup)));
+    __m512i values[8];
+    operands(block, L{}, values);
     for (int r = 0; r < R; ++r) {
       const int64_t n = row0 + r;
       const int8_t* xq = a.values + n * a.in_features + b * kBlock;
@@ -145,8 +169,8 @@ INT8_TARGET void group_rows_vnni(const uint8_t* group, const Activations& a, int
         int32_t lo, hi;
         std::memcpy(&lo, xq + 8 * s, 4);
         std::memcpy(&hi, xq + 8 * s + 4, 4);
-        even = _mm512_dpbusd_epi32(even, nibbles[2 * s], _mm512_set1_epi32(lo));
-        odd = _mm512_dpbusd_epi32(odd, nibbles[2 * s + 1], _mm512_set1_epi32(hi));
+        even = _mm512_dpbusd_epi32(even, values[2 * s], _mm512_set1_epi32(lo));
+        odd = _mm512_dpbusd_epi32(odd, values[2 * s + 1], _mm512_set1_epi32(hi));
       }
       const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
       acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(d, _mm512_set1_ps(a.scales[n * num_blocks + b])), acc[r]);
@@ -156,16 +180,17 @@ INT8_TARGET void group_rows_vnni(const uint8_t* group, const Activations& a, int
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (row0 + r) * out_stride, _mm512_add_ps(acc[r], shift[r]));
 }
 
+template <typename L>
 void groups_vnni(const uint8_t* packed, const Activations& a, int64_t num_rows, int64_t g_begin, int64_t g_end,
                  float* out, int64_t out_stride) {
   const int64_t num_blocks = a.in_features / kBlock;
   for (int64_t g = g_begin; g < g_end; ++g) {
-    const uint8_t* group = packed + g * num_blocks * kPackedBytes;
+    const uint8_t* group = packed + g * num_blocks * (L::kValueBytes + 4 * kGroup);
     float* columns = out + g * kGroup;
     for (int64_t n = 0; n < num_rows; n += 8) {
       switch (std::min<int64_t>(8, num_rows - n)) {
 #define INT8_ROWS(R) \
-  case R: group_rows_vnni<R>(group, a, n, columns, out_stride); break;
+  case R: group_rows_vnni<L, R>(group, a, n, columns, out_stride); break;
         INT8_ROWS(1) INT8_ROWS(2) INT8_ROWS(3) INT8_ROWS(4) INT8_ROWS(5) INT8_ROWS(6) INT8_ROWS(7) INT8_ROWS(8)
 #undef INT8_ROWS
       }
@@ -185,8 +210,8 @@ bool has_vnni() {
 #endif
 }
 
-void int8_times(const float* x, int64_t num_rows, int64_t x_stride, const uint8_t* packed, int64_t num_groups,
-                int64_t in_features, int64_t isa, float* out, int64_t out_stride) {
+void int8_times(int64_t format, const float* x, int64_t num_rows, int64_t x_stride, const uint8_t* packed,
+                int64_t num_groups, int64_t in_features, int64_t isa, float* out, int64_t out_stride) {
   const int64_t num_blocks = in_features / kBlock;
   std::vector<int8_t> values(num_rows * in_features);
   std::vector<float> scales(num_rows * num_blocks), sums(num_rows * num_blocks);
@@ -200,36 +225,44 @@ void int8_times(const float* x, int64_t num_rows, int64_t x_stride, const uint8_
   const Activations a{values.data(), scales.data(), sums.data(), in_features};
   // about as many tasks as threads, at least one group each
   const int64_t grain = std::max<int64_t>(1, num_groups / (4 * at::get_num_threads()));
+  const bool nibbles = format == kInt8Q4;
   at::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
 #if INT8_X86
-    if (vector) return groups_vnni(packed, a, num_rows, begin, end, out, out_stride);
+    if (vector && nibbles) return groups_vnni<Nibbles>(packed, a, num_rows, begin, end, out, out_stride);
+    if (vector) return groups_vnni<Bytes>(packed, a, num_rows, begin, end, out, out_stride);
 #endif
-    groups_portable(packed, a, num_rows, begin, end, out, out_stride);
+    if (nibbles) return groups_portable<Nibbles>(packed, a, num_rows, begin, end, out, out_stride);
+    groups_portable<Bytes>(packed, a, num_rows, begin, end, out, out_stride);
   });
 }
 
-void int8_decode(const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end, float* out,
-                 int64_t out_stride) {
+namespace {
+template <typename L>
+void decode_groups(const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end, float* out,
+                   int64_t out_stride) {
   const int64_t num_blocks = in_features / kBlock;
   for (int64_t g = g_begin; g < g_end; ++g) {
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = packed + (g * num_blocks + b) * kPackedBytes;
+      const uint8_t* block = packed + (g * num_blocks + b) * (L::kValueBytes + 4 * kGroup);
       for (int lane = 0; lane < kGroup; ++lane) {
         uint16_t d, m;
-        std::memcpy(&d, block + kNibbleBytes + 2 * lane, 2);
-        std::memcpy(&m, block + kNibbleBytes + 2 * kGroup + 2 * lane, 2);
+        std::memcpy(&d, block + L::kValueBytes + 2 * lane, 2);
+        std::memcpy(&m, block + L::kValueBytes + 2 * kGroup + 2 * lane, 2);
         float* row = out + (g * kGroup + lane) * out_stride + b * kBlock;
-        for (int s = 0; s < 4; ++s) {
-          for (int j = 0; j < 4; ++j) {
-            const uint8_t byte = block[64 * s + 4 * lane + j];
-            // d * q is exact in float32, so the sum rounds once, as the blocks' own decoding
-            row[8 * s + j] = std::fmaf(half_to_float(d), static_cast<float>(byte & 15), half_to_float(m));
-            row[8 * s + 4 + j] = std::fmaf(half_to_float(d), static_cast<float>(byte >> 4), half_to_float(m));
-          }
-        }
+        // d * q is exact in float32, so the sum rounds once, as the blocks' own decoding
+        for (int k = 0; k < 8; ++k)
+          for (int j = 0; j < 4; ++j)
+            row[4 * k + j] = std::fmaf(half_to_float(d), static_cast<float>(L::value(block, k, lane, j)), half_to_float(m));
       }
     }
   }
+}
+}  // namespace
+
+void int8_decode(int64_t format, const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end,
+                 float* out, int64_t out_stride) {
+  if (format == kInt8Q4) return decode_groups<Nibbles>(packed, in_features, g_begin, g_end, out, out_stride);
+  decode_groups<Bytes>(packed, in_features, g_begin, g_end, out, out_stride);
 }
 
 }  // namespace specserve_blocks

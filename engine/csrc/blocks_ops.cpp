@@ -26,14 +26,15 @@ int64_t block_elements(int64_t format) { return format == kQ4_K || format == kQ6
 
 void check(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa) {
   TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ5_0 || format == kQ5_1 || format == kQ8_0 ||
-                  format == kQ4_K || format == kQ6_K || format == kInt8Q4,
+                  format == kQ4_K || format == kQ6_K || format == kInt8Q4 || format == kInt8Q8,
               "unsupported block format ", format);
   TORCH_CHECK(has_isa(isa), "this CPU lacks instruction set ", isa);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.stride(1) == 1,
               "blocks must be a CPU uint8 [O, row bytes] tensor with contiguous rows");
   TORCH_CHECK(in_features % block_elements(format) == 0, "in_features must be a multiple of the block size");
-  TORCH_CHECK(format != kInt8Q4 || blocks.size(1) == in_features * 10, "an int8 weight's groups are 320 bytes a block");
+  TORCH_CHECK(format != kInt8Q4 || blocks.size(1) == in_features * 10, "a kInt8Q4 group is 320 bytes a block");
+  TORCH_CHECK(format != kInt8Q8 || blocks.size(1) == in_features * 18, "a kInt8Q8 group is 576 bytes a block");
 }
 
 // at least 8 output rows per task, and about as many tasks as threads
@@ -48,7 +49,7 @@ void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features
   float* os = out.data_ptr<float>();
   const int64_t row_bytes = blocks.stride(0), o_stride = out.stride(0);
   at::parallel_for(0, blocks.size(0), grain(blocks.size(0)), [&](int64_t begin, int64_t end) {
-    if (format == kInt8Q4) return int8_decode(w, in_features, begin, end, os, o_stride);
+    if (format >= kInt8Q4) return int8_decode(format, w, in_features, begin, end, os, o_stride);
     auto run = isa == 2 ? avx512::decode : isa == 1 ? avx2::decode : portable::decode;
     run(static_cast<int>(format), w, row_bytes, in_features, begin, end, os, o_stride);
   });
@@ -57,7 +58,7 @@ void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features
 }  // namespace
 
 int64_t output_rows(const at::Tensor& blocks, int64_t format) {
-  return blocks.size(0) * (format == kInt8Q4 ? kInt8Rows : 1);
+  return blocks.size(0) * (format >= kInt8Q4 ? kInt8Rows : 1);
 }
 
 void blocks_times(const at::Tensor& x, const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa,
@@ -72,7 +73,7 @@ void blocks_times(const at::Tensor& x, const at::Tensor& blocks, int64_t format,
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t row_bytes = blocks.stride(0), num_rows = x.size(0), x_stride = x.stride(0), o_stride = out.stride(0);
-  if (format == kInt8Q4) return int8_times(xs, num_rows, x_stride, w, blocks.size(0), in_features, isa, os, o_stride);
+  if (format >= kInt8Q4) return int8_times(format, xs, num_rows, x_stride, w, blocks.size(0), in_features, isa, os, o_stride);
   at::parallel_for(0, blocks.size(0), grain(blocks.size(0)), [&](int64_t begin, int64_t end) {
     auto run = isa == 2 ? avx512::times : isa == 1 ? avx2::times : portable::times;
     run(static_cast<int>(format), w, row_bytes, in_features, begin, end, xs, num_rows, x_stride, os, o_stride);
