@@ -8,7 +8,7 @@ decoded to exactly the float32 weights ``load`` produces (the gguf package's deq
 multiplied by float32 activations with float32 accumulation. The activations are not quantized. So
 the weights and the output law are unchanged; only the summation order differs, as it does between
 any two BLAS paths. A user may ask for llama.cpp's arithmetic instead (``--activations int8``):
-Q4_0 and Q4_1 weights are repacked (engine/int8_blocks.py) and their products round each row of
+Q4_0, Q4_1 and Q8_0 weights are repacked (engine/int8_blocks.py) and their products round each row of
 activations to int8 per block of 32 and sum in integers (engine/csrc/blocks_int8.cpp), a slightly
 different model, about 3x cheaper per product. Every input then goes through the kernels, whatever
 its length, so a row's arithmetic never depends on the rows beside it.
@@ -130,9 +130,8 @@ class BlockWeight:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = rows.new_empty(rows.shape[0], self.out_features)  # [N, O]
-        multiply = (
-            self._direct if rows.shape[0] <= DIRECT_ROWS or self.rows_alike else self._tiled
-        )  # decode and verify: the kernel itself
+        # decode and verify (and every input, rows_alike): the kernel itself
+        multiply = self._direct if rows.shape[0] <= DIRECT_ROWS or self.rows_alike else self._tiled
         start = 0
         for part in self.parts:
             # [N, O_part], rows out.stride(0) apart; a single part (the usual case) writes out itself

@@ -13,7 +13,7 @@ KERNEL_MODES = ("auto", "eager", "compiled")  # the pointwise work between produ
 # CPU matmul plans (engine/plan_cache.py): read the one stored for this host and model where one matches
 # (else measure and store it), or measure again and replace it
 PLAN_MODES = ("cached", "measure")
-# What a GGUF target's 4-bit block products multiply: float32 activations (exact to the file's
+# What a GGUF target's Q4_0, Q4_1 and Q8_0 block products multiply: float32 activations (exact to the file's
 # float32 model), or activations quantized to int8 per block of 32, as llama.cpp does (engine/csrc/blocks_int8.cpp)
 ACTIVATIONS = ("float32", "int8")
 NO_DRAFTER = "none"  # as a drafter's name: the target alone (a request's, or the engine's default)

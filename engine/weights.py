@@ -78,7 +78,7 @@ class ProductWeights:
         # the GGUF blocks each product can be held as (``offer_blocks``), and what became of them, in a line
         self.blocks: dict[tuple[int, str], BlockWeight] = {}
         self.blocks_line = ""
-        # products take int8 activations (engine/blocks.py: int8_weight): a row's arithmetic must then
+        # products take int8 activations (engine/int8_blocks.py): a row's arithmetic must then
         # never depend on the rows beside it, since a last-bit difference can move a rounding to int8
         self.int8_activations = False
 

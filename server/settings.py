@@ -81,7 +81,7 @@ class ServeSettings(BaseSettings):
     )
     activations: Literal[ACTIVATIONS] = engine_field(
         "activations",
-        "what a GGUF target's Q4_0/Q4_1 products multiply on CPU: float32 activations (exact), or int8 per "
+        "what a GGUF target's Q4_0/Q4_1/Q8_0 products multiply on CPU: float32 activations (exact), or int8 per "
         "block of 32 as llama.cpp does (faster, a slightly different model)",
     )
     matmul_plan: Literal[PLAN_MODES] = engine_field(

@@ -2,7 +2,7 @@
 decodes to are exactly the gguf package's, on files the tests write and on the embedded one; the
 products agree with float64 within float32 summation bounds at every row count and on every
 instruction set this CPU runs; the plan holds the blocks only by a margin; and an engine without
-the kernels says so and runs float32. With int8 activations (Q4_0 and Q4_1 repacked): the same
+the kernels says so and runs float32. With int8 activations (Q4_0, Q4_1 and Q8_0 repacked): the same
 weights, every row computed alike whatever the row count, the vector and portable paths the same bits,
 and the products llama.cpp's law (activations rounded to int8 per block of 32). The chi-square and greedy suites run the blocks too
 (``model-blocks`` in tests/tiny.py)."""

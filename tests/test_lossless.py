@@ -362,7 +362,7 @@ class EngineForward:
 
 
 def int8_target_engine(seed: int, vocab: int, init: float, draft, num_draft_tokens: int):
-    """An engine whose target's products take int8 activations (Q4_0 and Q4_1 blocks), drafted by ``draft``."""
+    """An engine whose target's products take int8 activations (Q4_0, Q4_1 and Q8_0 blocks), drafted by ``draft``."""
     target = tiny_llama(seed=seed, vocab_size=vocab, init=init)
     engine = setup_engine("model-blocks", target, draft, int8_activations=True, num_draft_tokens=num_draft_tokens)
     # every product, the LM head too where its rows come in sixteens (Q8_0)
