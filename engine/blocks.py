@@ -289,6 +289,8 @@ def offer_blocks(model, file: FileTensors, int8_activations: bool = False) -> No
         found = {key: int8_weight(weight) for key, weight in found.items()}
         repacked = sum(all(part.format in INT8_FORMATS for part in weight.parts) for weight in found.values())
         line += f"; int8 activations in {repacked}/{len(found)} (Q4_0, Q4_1 and Q8_0 blocks; the rest float32)"
+        if found and not torch.ops.specserve.blocks_has_vnni():
+            line += " by portable code (this CPU lacks AVX-512 VNNI: slower than float32 activations)"
     log.info("GGUF blocks: %s", line)
     model.weights.offer_blocks(found, line)
 
