@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -275,18 +276,16 @@ def match_blocks(
     return found, line
 
 
-def offer_blocks(model, file: FileTensors, int8_activations: bool = False) -> None:
+def offer_blocks(model, file: FileTensors, repack: Callable[[BlockWeight], BlockWeight] | None = None) -> None:
     """Offer a CausalLM's plan the blocks ``file`` holds for its products (a line says what matched),
-    with ``int8_activations`` repacked where they can be (``int8_weight``)."""
+    each passed through ``repack`` where given (engine/int8_blocks.py's ``int8_weight``: int8 activations)."""
     try:
         products = [(module, name, model.weights.parts(module, name)) for module, name in model.weights.products]
         found, line = match_blocks(file, model.hf_model, products)
     except BlocksUnavailable as error:
         found, line = {}, f"float32 products: {error}"
-    if int8_activations:
-        from .int8_blocks import int8_weight  # which imports this module
-
-        found = {key: int8_weight(weight) for key, weight in found.items()}
+    if repack is not None:
+        found = {key: repack(weight) for key, weight in found.items()}
         repacked = sum(all(part.format in INT8_FORMATS for part in weight.parts) for weight in found.values())
         line += f"; int8 activations in {repacked}/{len(found)} (Q4_0, Q4_1 and Q8_0 blocks; the rest float32)"
         if found and not torch.ops.specserve.blocks_has_vnni():

@@ -21,6 +21,7 @@ from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig
 from .drafters import check_stages
 from .engine import SpecEngine
 from .errors import ConfigError
+from .int8_blocks import int8_weight
 from .loader import eos_token_ids, load
 from .measure import choose_copy
 from .model import CausalLM
@@ -111,11 +112,12 @@ def build_engine(
     target = CausalLM(target_model, max_len)
     if config.activations == "int8" and (target_file is None or target.device.type != "cpu"):
         raise ConfigError(
-            "activations int8 multiplies a GGUF target's own 4-bit blocks, on CPU: this target is not one"
+            "activations int8 multiplies a GGUF target's own quantized blocks, on CPU: this target is not one"
         )
     if target_file is not None and config.gguf_blocks and target.device.type == "cpu":
         release_freed_memory()  # the weights fusing replaced, before the file is read
-        offer_blocks(target, FileTensors.read(target_file), config.activations == "int8")
+        repack = int8_weight if config.activations == "int8" else None
+        offer_blocks(target, FileTensors.read(target_file), repack)
     release_freed_memory()
     target.use_kernels(config.kernel_mode, config.compile_backend)  # before copy:auto times it
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None

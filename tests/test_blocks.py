@@ -419,5 +419,5 @@ def test_int8_activations_are_refused_where_they_cannot_apply():
         EngineConfig(activations="int4")
     with pytest.raises(ConfigError, match="needs gguf_blocks"):
         EngineConfig(activations="int8", gguf_blocks=False)
-    with pytest.raises(ConfigError, match="GGUF target's own 4-bit blocks"):
+    with pytest.raises(ConfigError, match="GGUF target.s own quantized blocks"):
         tiny_engine(tiny_llama(seed=1, vocab_size=64), None, activations="int8")  # not read from a GGUF file

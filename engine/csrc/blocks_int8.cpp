@@ -152,7 +152,8 @@ INT8_TARGET void group_rows_vnni(const uint8_t* group, const Activations& a, int
                                  int64_t out_stride) {
   constexpr int64_t kPackedBytes = L::kValueBytes + 4 * kGroup;
   const int64_t num_blocks = a.in_features / kBlock;
-  __m512 acc[R], shift[R];
+  __m512 acc[R], shift[R];  // in registers: the loops over rows are unrolled
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = shift[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = group + b * kPackedBytes;
@@ -161,6 +162,7 @@ INT8_TARGET void group_rows_vnni(const uint8_t* group, const Activations& a, int
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + L::kValueBytes + 2 * kGroup)));
     __m512i values[8];
     operands(block, L{}, values);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t n = row0 + r;
       const int8_t* xq = a.values + n * a.in_features + b * kBlock;
@@ -177,6 +179,7 @@ INT8_TARGET void group_rows_vnni(const uint8_t* group, const Activations& a, int
       shift[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sums[n * num_blocks + b]), shift[r]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (row0 + r) * out_stride, _mm512_add_ps(acc[r], shift[r]));
 }
 
