@@ -26,10 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.host import host  # noqa: E402
-from bench.native_ops import WINDOW, ceiling, step_ms  # noqa: E402
+from bench.native_ops import WINDOW, row_report, step_ms  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
-from engine.measure import fitted_line  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
@@ -109,17 +108,7 @@ def main() -> None:
         target.cache.rollback(0)
         target.extend(list(range(100, 100 + WINDOW)), num_logits=0)
     sweep = row_sweep(targets, args.rounds, args.repeats)
-    served = {}
-    for name, medians in sweep.items():
-        line = fitted_line([medians[n] for n in range(1, 9)])
-        per_row = line[1] - line[0]
-        served[name] = {
-            "ms_by_rows": {str(n): round(ms, 2) for n, ms in medians.items()},
-            "fixed_ms": round(line[0] - per_row, 2),
-            "per_row_ms": round(per_row, 2),
-            "head_step_ms": round(head_ms[name], 2),
-            "ceiling": {"eagle3_head": ceiling(medians, head_ms[name]), "free_drafts": ceiling(medians, 0.0)},
-        }
+    served = {name: row_report(medians, head_ms[name]) for name, medians in sweep.items()}
     report = {
         "host": host(),
         "model": "embedded SmolLM2-135M-Instruct on its GGUF blocks, shipped EAGLE-3 head loaded",

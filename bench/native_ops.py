@@ -90,8 +90,13 @@ def row_sweep(target, head_step_ms: float, rounds: int, repeats: int) -> dict:
     for round_index in range(rounds):
         for n in rows if round_index % 2 == 0 else reversed(rows):
             times[n].append(step_ms(target, n, repeats))
-    medians = {n: statistics.median(values) for n, values in times.items()}
-    line = fitted_line([medians[n] for n in rows])  # at 1..8 rows
+    return row_report({n: statistics.median(values) for n, values in times.items()}, head_step_ms)
+
+
+def row_report(medians: dict[int, float], head_step_ms: float) -> dict:
+    """Median ms of a forward over 1..8 rows -> those times, the least-squares line through them
+    (a step's fixed cost plus a cost per row), and the ceiling they set."""
+    line = fitted_line([medians[n] for n in range(1, 9)])  # at 1..8 rows
     per_row = line[1] - line[0]
     return {
         "ms_by_rows": {str(n): round(ms, 2) for n, ms in medians.items()},

@@ -45,7 +45,7 @@ SPECSERVE_DECLARE(avx2)
 SPECSERVE_DECLARE(avx512)
 #undef SPECSERVE_DECLARE
 
-int64_t best_isa();
+int64_t best_isa();  // the widest instruction set this CPU runs: 0 portable, 1 AVX2, 2 AVX-512
 
 // blocks_int8.cpp: whether this CPU runs its vector path; x [N, I] (rows x_stride apart) times a
 // kInt8Q4 or kInt8Q8 weight of num_groups groups into out [N, 16 num_groups] (by the vector path where
@@ -55,6 +55,6 @@ bool has_vnni();
 void int8_times(int64_t format, const float* x, int64_t num_rows, int64_t x_stride, const uint8_t* packed,
                 int64_t num_groups, int64_t in_features, int64_t isa, float* out, int64_t out_stride);
 void int8_decode(int64_t format, const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end,
-                 float* out, int64_t out_stride);  // the widest instruction set this CPU runs: 0 portable, 1 AVX2, 2 AVX-512
+                 float* out, int64_t out_stride);
 
 }  // namespace specserve_blocks

@@ -34,16 +34,17 @@ namespace {
 
 constexpr int64_t kGroup = 16, kBlock = 32;
 
-// The two layouts: the bytes of a block's values, and value j of operand k for a lane (row).
+// The two layouts: the bytes of a block's values and of the whole block (then 16 d and 16 m, float16),
+// and value j of operand k for a lane (row).
 struct Nibbles {
-  static constexpr int64_t kValueBytes = 256;
+  static constexpr int64_t kValueBytes = 256, kPackedBytes = kValueBytes + 4 * kGroup;
   static inline int32_t value(const uint8_t* block, int k, int lane, int j) {
     const uint8_t byte = block[64 * (k / 2) + 4 * lane + j];
     return k % 2 == 0 ? byte & 15 : byte >> 4;
   }
 };
 struct Bytes {
-  static constexpr int64_t kValueBytes = 512;
+  static constexpr int64_t kValueBytes = 512, kPackedBytes = kValueBytes + 4 * kGroup;
   static inline int32_t value(const uint8_t* block, int k, int lane, int j) { return block[64 * k + 4 * lane + j]; }
 };
 
@@ -81,13 +82,12 @@ void quantize_rows(const float* x, int64_t num_rows, int64_t x_stride, int64_t i
 template <typename L>
 void groups_portable(const uint8_t* packed, const Activations& a, int64_t num_rows, int64_t g_begin, int64_t g_end,
                      float* out, int64_t out_stride) {
-  constexpr int64_t kPackedBytes = L::kValueBytes + 4 * kGroup;
   const int64_t num_blocks = a.in_features / kBlock;
   for (int64_t g = g_begin; g < g_end; ++g) {
     for (int64_t n = 0; n < num_rows; ++n) {
       float acc[kGroup] = {}, shift[kGroup] = {};
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const uint8_t* block = packed + (g * num_blocks + b) * kPackedBytes;
+        const uint8_t* block = packed + (g * num_blocks + b) * L::kPackedBytes;
         const int8_t* xq = a.values + n * a.in_features + b * kBlock;
         const float scale = a.scales[n * num_blocks + b], sum = a.sums[n * num_blocks + b];
         for (int lane = 0; lane < kGroup; ++lane) {
@@ -150,13 +150,12 @@ INT8_TARGET inline void operands(const uint8_t* block, Bytes, __m512i* out) {
 template <typename L, int R>
 INT8_TARGET void group_rows_vnni(const uint8_t* group, const Activations& a, int64_t row0, float* out,
                                  int64_t out_stride) {
-  constexpr int64_t kPackedBytes = L::kValueBytes + 4 * kGroup;
   const int64_t num_blocks = a.in_features / kBlock;
   __m512 acc[R], shift[R];  // in registers: the loops over rows are unrolled
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = shift[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = group + b * kPackedBytes;
+    const uint8_t* block = group + b * L::kPackedBytes;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + L::kValueBytes)));
     const __m512 m =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + L::kValueBytes + 2 * kGroup)));
@@ -188,7 +187,7 @@ void groups_vnni(const uint8_t* packed, const Activations& a, int64_t num_rows, 
                  float* out, int64_t out_stride) {
   const int64_t num_blocks = a.in_features / kBlock;
   for (int64_t g = g_begin; g < g_end; ++g) {
-    const uint8_t* group = packed + g * num_blocks * (L::kValueBytes + 4 * kGroup);
+    const uint8_t* group = packed + g * num_blocks * L::kPackedBytes;
     float* columns = out + g * kGroup;
     for (int64_t n = 0; n < num_rows; n += 8) {
       switch (std::min<int64_t>(8, num_rows - n)) {
@@ -246,16 +245,16 @@ void decode_groups(const uint8_t* packed, int64_t in_features, int64_t g_begin, 
   const int64_t num_blocks = in_features / kBlock;
   for (int64_t g = g_begin; g < g_end; ++g) {
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = packed + (g * num_blocks + b) * (L::kValueBytes + 4 * kGroup);
+      const uint8_t* block = packed + (g * num_blocks + b) * L::kPackedBytes;
       for (int lane = 0; lane < kGroup; ++lane) {
         uint16_t d, m;
         std::memcpy(&d, block + L::kValueBytes + 2 * lane, 2);
         std::memcpy(&m, block + L::kValueBytes + 2 * kGroup + 2 * lane, 2);
+        const float scale = half_to_float(d), shift = half_to_float(m);
         float* row = out + (g * kGroup + lane) * out_stride + b * kBlock;
         // d * q is exact in float32, so the sum rounds once, as the blocks' own decoding
         for (int k = 0; k < 8; ++k)
-          for (int j = 0; j < 4; ++j)
-            row[4 * k + j] = std::fmaf(half_to_float(d), static_cast<float>(L::value(block, k, lane, j)), half_to_float(m));
+          for (int j = 0; j < 4; ++j) row[4 * k + j] = std::fmaf(scale, static_cast<float>(L::value(block, k, lane, j)), shift);
       }
     }
   }
