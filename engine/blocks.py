@@ -13,8 +13,11 @@ activations to int8 per block of 32 and sum in integers (engine/csrc/blocks_int8
 different model, about 3x cheaper per product. Every input then goes through the kernels, whatever
 its length, so a row's arithmetic never depends on the rows beside it.
 
-Up to ``DIRECT_ROWS`` rows (decode and verify) go through the kernel, each decoded block shared by
-all rows; longer inputs (prompts) decode a tile of the weight at a time into a float32 product.
+Decode and verify rows (up to ``DIRECT_ROWS``) go through the kernel, each decoded block shared by
+all rows. Longer inputs (prompts, a draft head's catch-up) go through it too up to the row count
+where, on this host, decoding a tile of the weight at a time into a float32 product starts to win
+(engine/matmul.py's ``measure_direct_rows``, per weight shape: for a wide product of a narrow input that is never,
+for a narrow one of a wide input a few dozen rows).
 Whether a weight shape is held as blocks is the ``MatmulPlan``'s choice (``engine/matmul.py``):
 measured against the float32 formulations, like oneDNN's packed copies.
 
@@ -44,7 +47,7 @@ ISAS = ("portable", "avx2", "avx512")  # the kernels' instruction sets, by the i
 INT8_Q4, INT8_Q8 = 100, 101
 INT8_FORMATS = (INT8_Q4, INT8_Q8)
 INT8_ROWS = 16  # output rows per repacked group
-DIRECT_ROWS = 16  # rows multiplied by the kernel itself; longer inputs decode tiles into a float32 product
+DIRECT_ROWS = 16  # rows always multiplied by the kernel itself (decode, verify)
 TILE_BYTES = 4 * 2**20  # float32 bytes of one decoded tile
 
 
@@ -106,8 +109,9 @@ class BlockWeight:
     bias: torch.Tensor | None
     isa: int
     # every input through the kernel, whatever its length (with int8 activations: each row's
-    # arithmetic the same whatever rows it comes with); else inputs past DIRECT_ROWS go by tiles
+    # arithmetic the same whatever rows it comes with); else inputs past direct_rows go by tiles
     rows_alike: bool = False
+    direct_rows: int = DIRECT_ROWS  # the most rows the kernel multiplies itself (matmul.measure_direct_rows)
     out_features: int = field(init=False)  # the parts' rows together
 
     def __post_init__(self) -> None:
@@ -130,23 +134,33 @@ class BlockWeight:
         rows = x.reshape(-1, self.in_features)  # [N, I]
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
+        # up to direct_rows (and every input, rows_alike): the kernel itself
+        direct = rows.shape[0] <= self.direct_rows or self.rows_alike
+        out = self.product(rows, self.direct if direct else self.tiled)  # [N, O]
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: torch.Tensor, multiply: Callable) -> torch.Tensor:
+        """rows [N, I] contiguous -> [N, O] without the bias, each part through ``multiply``."""
         out = rows.new_empty(rows.shape[0], self.out_features)  # [N, O]
-        # decode and verify (and every input, rows_alike): the kernel itself
-        multiply = self._direct if rows.shape[0] <= DIRECT_ROWS or self.rows_alike else self._tiled
         start = 0
         for part in self.parts:
             # [N, O_part], rows out.stride(0) apart; a single part (the usual case) writes out itself
             multiply(rows, part, out if len(self.parts) == 1 else out[:, start : start + part.rows])
             start += part.rows
-        if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out
 
-    def _direct(self, rows: torch.Tensor, part: BlockPart, columns: torch.Tensor) -> None:
+    @property
+    def crossing_key(self) -> str:
+        """What ``direct_rows`` depends on: the shape and the parts' formats, e.g. "960x576:3"."""
+        return f"{self.out_features}x{self.in_features}:" + "+".join(str(part.format) for part in self.parts)
+
+    def direct(self, rows: torch.Tensor, part: BlockPart, columns: torch.Tensor) -> None:
         """A few rows: the kernel decodes each block once for all of them, into ``columns``."""
         torch.ops.specserve.blocks_times.default(rows, part.blocks, part.format, self.in_features, self.isa, columns)
 
-    def _tiled(self, rows: torch.Tensor, part: BlockPart, columns: torch.Tensor) -> None:
+    def tiled(self, rows: torch.Tensor, part: BlockPart, columns: torch.Tensor) -> None:
         """Many rows: decode ``part`` a tile of weight rows at a time and multiply in float32 into ``columns``."""
         step = max(1, TILE_BYTES // (4 * self.in_features))
         tile = rows.new_empty(min(step, part.rows), self.in_features)  # [T, I]
@@ -289,7 +303,8 @@ def offer_blocks(model, file: FileTensors, repack: Callable[[BlockWeight], Block
         repacked = sum(all(part.format in INT8_FORMATS for part in weight.parts) for weight in found.values())
         line += f"; int8 activations in {repacked}/{len(found)} (Q4_0, Q4_1 and Q8_0 blocks; the rest float32)"
         if found and not torch.ops.specserve.blocks_has_vnni():
-            line += " by portable code (this CPU lacks AVX-512 VNNI: slower than float32 activations)"
+            line += " by AVX2" if kernel_isa() >= 1 else " by portable code (slower than float32 activations)"
+            line += " (this CPU lacks AVX-512 VNNI)"
     log.info("GGUF blocks: %s", line)
     model.weights.offer_blocks(found, line)
 

@@ -28,6 +28,7 @@ from .errors import ConfigError
 from .kernels import rotate
 from .kv import KVCache
 from .loader import locate
+from .matmul import with_direct_rows
 from .model import CausalLM, upload
 
 SPECULATORS_LAYER = "layers.0."
@@ -100,6 +101,7 @@ class Eagle3Head(nn.Module):
             for name, modules in self.stacked.items():
                 bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
                 self.blocks[name] = q8_blocks(torch.cat([m.weight for m in modules]), bias, isa)
+            self.blocks = with_direct_rows(self.blocks, {})  # a catch-up over many tokens: kernel or tiles
         return self
 
     def product(self, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ class WarmUp:
     variants: int  # captured graphs
     seconds: float
     graph_bytes: int  # device memory the captures reserved
-    matmuls: str = ""  # eager CPU: what the measured MatmulPlans chose, per model
+    matmuls: str = ""  # eager CPU: what the MatmulPlans chose (measured, stored or uniform), per model
     kernels: str = ""  # how the pointwise kernels run, where they were compiled (or failed to be)
     attention: str = ""  # the windows whose attention runs split (runner.choose_attention), per model
 
@@ -51,7 +51,7 @@ class WarmUp:
             return f"CUDA graphs: {captured}{kernels}"
         if self.forward == "compile":
             return f"torch.compile: {self.variants} variants compiled in {self.seconds:.1f} s{kernels}"
-        chosen = f" (matmuls measured: {self.matmuls})" if self.matmuls else ""
+        chosen = f" (matmuls: {self.matmuls})" if self.matmuls else ""
         return f"forward {self.forward}{chosen}, warmed up in {self.seconds:.1f} s{kernels}"
 
 

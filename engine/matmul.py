@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
+
+from .blocks import DIRECT_ROWS, BlockWeight
 
 Key = tuple[int, int, torch.dtype]  # (out features, in features, dtype) of a weight
 LONG = 0  # the row-count slot of inputs longer than max_rows
@@ -37,6 +39,8 @@ GROUP_BYTES = 48 * 2**20  # weights timed per shape: more than a CPU's last-leve
 # The timing thread runs throughout (computing, or feeding the thread team): an idle host gives
 # 0.96-1.0, one where another process computes on every core 0.40-0.59.
 UNDISTURBED_SHARE = 0.75
+CROSSING_ROWS = (32, 64, 128, 256, 512)  # row counts a BlockWeight's kernel and tiles are timed at, in order
+UNBOUNDED = 2**31 - 1  # direct_rows of a weight whose kernel beat its tiles at every CROSSING_ROWS
 
 
 def busy(cpu_share: float | None) -> bool:
@@ -153,6 +157,8 @@ class MatmulPlan:
     stored: str = ""  # a plan read back from a PlanCache: when it was measured
     # measured plans: the timing thread's CPU time over the wall time it took
     cpu_share: float | None = None
+    # GGUF block products: the most rows each multiplies by its kernel, by crossing key (with_direct_rows)
+    direct_rows: dict[str, int] = field(default_factory=dict)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., N, I] -> [..., N, O]."""
@@ -262,14 +268,17 @@ class MatmulPlan:
                 self.choices[key, slot] = min((n for n in best if n not in HELD), key=best.__getitem__)
 
     def describe(self) -> str:
-        """How many (shape, rows) cases each formulation won, e.g. "weight_first 28/36"."""
+        """How many (shape, rows) cases each formulation won and whence the plan came, e.g.
+        "weight_first 28/36 (measured)"; a uniform plan (int8 activations, tests) was not measured."""
         if not self.choices:
             return "F.linear"
         won = {name: sum(choice == name for choice in self.choices.values()) for name in NAMES}
         counts = ", ".join(f"{name} {count}/{len(self.choices)}" for name, count in won.items() if count)
         if self.disturbed:
             return counts + f" (timed on a busy host, its thread ran {self.cpu_share:.0%} of the time: not stored)"
-        return counts + (f" (stored plan, measured {self.stored})" if self.stored else "")
+        if self.stored:
+            return counts + f" (stored plan, measured {self.stored})"
+        return counts + (" (measured)" if self.cpu_share is not None else " (not measured)")
 
 
 def _held(x: torch.Tensor, weight) -> torch.Tensor:
@@ -297,3 +306,40 @@ def _held_choice(plan: MatmulPlan, key: Key, slots: list[int], forms: list[str])
 
 def weight_key(weight: torch.Tensor) -> Key:
     return weight.shape[0], weight.shape[1], weight.dtype
+
+
+def measure_direct_rows(weight: BlockWeight, repeats: int = 2) -> int:
+    """The most rows (of CROSSING_ROWS, in turn; UNBOUNDED past the last) at which ``weight``'s own
+    kernel multiplied at least as fast as its decoded tiles on this host, best of ``repeats`` after
+    an untimed round; DIRECT_ROWS where the tiles already won at the first. A count where the tiles
+    win is timed again, and ends the search only if they win again (a moment's disturbance seldom
+    repeats; a crossing does)."""
+    found = DIRECT_ROWS
+    with torch.inference_mode():
+        for count in CROSSING_ROWS:
+            rows = torch.randn(count, weight.in_features)  # [N, I]
+            if not _kernel_wins(weight, rows, repeats) and not _kernel_wins(weight, rows, repeats):
+                return found
+            found = count
+    return UNBOUNDED
+
+
+def _kernel_wins(weight: BlockWeight, rows: torch.Tensor, repeats: int) -> bool:
+    """Whether ``weight``'s kernel multiplied ``rows`` at least as fast as its decoded tiles."""
+    best = {weight.direct: float("inf"), weight.tiled: float("inf")}
+    for timed in [False, *[True] * repeats]:
+        for multiply in best:
+            started = time.perf_counter()
+            weight.product(rows, multiply)
+            if timed:
+                best[multiply] = min(best[multiply], time.perf_counter() - started)
+    return best[weight.direct] <= best[weight.tiled]
+
+
+def with_direct_rows(weights: dict, measured: dict[str, int]) -> dict:
+    """``weights`` (BlockWeights by any key) each with the direct_rows ``measured`` for its crossing
+    key, measuring the keys ``measured`` lacks (into it, once per key)."""
+    for weight in weights.values():
+        if weight.crossing_key not in measured:
+            measured[weight.crossing_key] = DIRECT_ROWS if weight.rows_alike else measure_direct_rows(weight)
+    return {key: replace(weight, direct_rows=measured[weight.crossing_key]) for key, weight in weights.items()}

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .matmul import Key, MatmulPlan, busy
+from .matmul import CROSSING_ROWS, Key, MatmulPlan, busy
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class PlanCache:
             "shapes": sorted(_encode_key(key) for key in shapes),
             "blocks": sorted(_encode_key(key) for key in block_shapes),
             "max_rows": max_rows,
+            "direct_rows_at": CROSSING_ROWS,  # plans from before block products' crossings were measured differ
         }
         return digest(described)
 
@@ -86,6 +87,7 @@ class PlanCache:
         try:
             plan = MatmulPlan(stored["max_rows"], stored=stored.get("measured", "at an unknown time"))
             plan.cpu_share = stored["cpu_share"]
+            plan.direct_rows = {str(key): int(rows) for key, rows in stored["direct_rows"].items()}
             for shape_rows, choice in stored["choices"]:
                 plan.choices[_decode_key(shape_rows[:3]), shape_rows[3]] = choice
         except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -96,6 +98,7 @@ class PlanCache:
     def save(self, key: str, plan: MatmulPlan) -> None:
         stored = {
             "max_rows": plan.max_rows,
+            "direct_rows": plan.direct_rows,
             "choices": [[[*_encode_key(shape), rows], choice] for (shape, rows), choice in plan.choices.items()],
             "timings_us": [
                 [[*_encode_key(shape), rows], {name: round(us, 1) for name, us in timings.items()}]

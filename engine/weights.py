@@ -16,7 +16,7 @@ from torch import nn
 
 from .blocks import INT8_FORMATS, BlockWeight
 from .errors import ConfigError
-from .matmul import BLOCKS, PACKED, MatmulPlan, PackedWeight, weight_key
+from .matmul import BLOCKS, PACKED, MatmulPlan, PackedWeight, weight_key, with_direct_rows
 from .plan_cache import PlanCache
 
 # the linear layers each layer runs as one product (``fuse_linears``): attention's, then the MLP's
@@ -152,9 +152,13 @@ class ProductWeights:
             self.plan_key = key
             plan = cache.load(key) if cache else None
             if plan is None:
-                plan = MatmulPlan.measure(weights, max_rows, blocks=by_shape)
+                direct_rows: dict[str, int] = {}  # first, so the plan times long inputs as they will run
+                self.blocks = with_direct_rows(self.blocks, direct_rows)
+                plan = MatmulPlan.measure(weights, max_rows, blocks=self.blocks_by_shape())
+                plan.direct_rows = direct_rows
                 if cache:
                     cache.save(key, plan)
+            self.blocks = with_direct_rows(self.blocks, plan.direct_rows)
             self.use_plan(plan)
         return self.plan
 

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -38,7 +39,17 @@ from engine.blocks import (
 )
 from engine.int8_blocks import int8_part, int8_weight
 from engine.loader import embedded_gguf
-from engine.matmul import BLOCKS, HELD_MARGIN, LONG, MatmulPlan, _held_choice
+from engine.matmul import (
+    BLOCKS,
+    CROSSING_ROWS,
+    HELD_MARGIN,
+    LONG,
+    UNBOUNDED,
+    MatmulPlan,
+    _held_choice,
+    measure_direct_rows,
+    with_direct_rows,
+)
 from tests.tiny import quantize_in_place, tiny_engine, tiny_llama
 
 ISAS = list(range(kernel_isa() + 1))  # every instruction set this CPU runs, the portable reference first
@@ -132,16 +143,15 @@ def int8_law(x: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_int8_products_follow_llama_cpps_law_the_same_for_every_row_and_path(name):
-    """Every row count from 1 to 20 and 64 (the kernel at every length), on the portable path and
-    the vector one: a row's product is the same bits whatever rows it is multiplied with, the two
-    paths give the same bits, and the value is the int8 law's within float32 rounding of its sum
+    """Every row count from 1 to 20 and 64 (the kernel at every length), on every path this CPU runs
+    (portable, AVX2, AVX-512 VNNI): a row's product is the same bits whatever rows it is multiplied
+    with, the paths give the same bits, and the value is the int8 law's within float32 rounding of its sum
     (and about 1% from the float32 product's)."""
     out_features, in_features = 48, 512
     part = int8_part(
         BlockPart(torch.from_numpy(written_blocks(name, out_features, in_features, seed=3)), FORMATS[name]), in_features
     )
-    paths = sorted({0, kernel_isa()})
-    weights = [BlockWeight((part,), in_features, None, isa) for isa in paths]
+    weights = [BlockWeight((part,), in_features, None, isa) for isa in ISAS]  # portable, AVX2, AVX-512 VNNI
     dense = weights[0].dense()  # [O, I]
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, in_features, generator=generator)  # [64, I]
@@ -168,6 +178,58 @@ def test_fused_parts_and_bias_land_in_their_columns():
     expected = torch.cat([x @ decode(part, 64, kernel_isa()).T for part in parts], dim=1) + bias
     torch.testing.assert_close(fused.linear(x), expected, rtol=1e-5, atol=1e-5)
     assert fused.dense().shape == (16, 64)
+
+
+def test_long_inputs_go_through_the_kernel_up_to_the_rows_measured_for_their_shape(monkeypatch):
+    """Past DIRECT_ROWS an input goes through the kernel up to the weight's direct_rows, then by
+    decoded tiles (the same product within float32 rounding); measure_direct_rows finds the most
+    rows of CROSSING_ROWS where the kernel was no slower (a count the tiles win once is timed
+    again), and with_direct_rows times each shape once, never a weight whose rows must be computed
+    alike."""
+    data = torch.from_numpy(written_blocks("Q4_1", 40, 512, seed=5))
+    weight = BlockWeight((BlockPart(data, FORMATS["Q4_1"]),), 512, None, kernel_isa())
+    x = torch.randn(64, 512)
+    calls = []
+    direct, tiled = BlockWeight.direct, BlockWeight.tiled
+    monkeypatch.setattr(BlockWeight, "direct", lambda self, *a: (calls.append("direct"), direct(self, *a))[1])
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: (calls.append("tiled"), tiled(self, *a))[1])
+    by_tiles = weight.linear(x)
+    assert calls == ["tiled"]
+    calls.clear()
+    by_kernel = replace(weight, direct_rows=64).linear(x)
+    assert calls == ["direct"]
+    torch.testing.assert_close(by_kernel, by_tiles, rtol=1e-5, atol=1e-4)
+    calls.clear()
+    replace(weight, direct_rows=63).linear(x)
+    assert calls == ["tiled"]
+
+    # timings made up: the kernel's grow with the rows (0.02 ms each), the tiles' are fixed at 2 ms,
+    # so the kernel is no slower up to 100 rows
+    monkeypatch.setattr(BlockWeight, "direct", lambda self, rows, *a: time.sleep(2e-5 * rows.shape[0]))
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: time.sleep(2e-3))
+    assert measure_direct_rows(weight) == max(rows for rows in CROSSING_ROWS if rows <= 100)
+    tiled_calls = iter(range(10**6))  # three per timing; the 4th to 6th: the first timing at 64 rows
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: time.sleep(1e-6 if 3 <= next(tiled_calls) < 6 else 2e-3))
+    assert measure_direct_rows(weight) == 64  # that timing disturbed: timed again, the kernel won
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: time.sleep(1e-6))
+    assert measure_direct_rows(weight) == DIRECT_ROWS  # the tiles won from the first
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: time.sleep(0.03))
+    assert measure_direct_rows(weight) == UNBOUNDED  # the kernel won at every count
+
+    timed = []
+    monkeypatch.setattr(matmul_module, "measure_direct_rows", lambda w: timed.append(w.crossing_key) or 128)
+    alike = int8_weight(
+        BlockWeight(
+            (BlockPart(torch.from_numpy(written_blocks("Q4_0", 32, 64, 1)), FORMATS["Q4_0"]),), 64, None, kernel_isa()
+        )
+    )
+    measured = {}
+    held = with_direct_rows({"a": weight, "b": replace(weight), "c": alike}, measured)
+    assert timed == [weight.crossing_key]  # one shape timed once; the int8 weight not at all
+    assert held["a"].direct_rows == held["b"].direct_rows == 128 and held["c"].direct_rows == DIRECT_ROWS
+    assert measured == {weight.crossing_key: 128, alike.crossing_key: DIRECT_ROWS}
+    assert with_direct_rows({"a": weight}, {weight.crossing_key: 32})["a"].direct_rows == 32  # known: not timed
+    assert timed == [weight.crossing_key]
 
 
 def test_the_embedded_file_decodes_to_the_gguf_packages_values():
@@ -340,7 +402,11 @@ def test_a_stored_plan_is_read_back_at_the_next_start_and_measured_again_on_requ
     offer_blocks(again, file)
     with monkeypatch.context() as patch:
         patch.setattr(MatmulPlan, "measure", no_measuring)
+        patch.setattr(matmul_module, "measure_direct_rows", no_measuring)
         assert again.weights.plan_matmuls(6, cache).choices == measured.choices
+    # the rows each shape's kernel takes came back with the plan, and the blocks held carry them
+    assert measured.direct_rows and again.weights.plan.direct_rows == measured.direct_rows
+    assert all(w.direct_rows == measured.direct_rows[w.crossing_key] for w in again.weights.blocks.values())
     assert "stored plan, measured" in again.weights.describe()  # the start-up line says it was read back
     assert "stored plan" not in first.weights.describe()
 

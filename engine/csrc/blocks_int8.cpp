@@ -9,8 +9,8 @@
 // Q8_0: m = -128 d), so a block contributes
 //   d * d_x * sum(q * x_q) + m * (d_x * sum(x_q)),
 // the integer sum taken by AVX-512 VNNI (vpdpbusd: 16 rows x 4 inputs per instruction) where the
-// CPU has it, else by portable code whose every float operation is the same (fused multiply-adds
-// as std::fmaf), so the two give the same bits. Each output row's arithmetic does not depend on how
+// CPU has it, else by AVX2 (the same integer, below), else by portable code; every float operation
+// is the same on the three (fused multiply-adds as std::fmaf), so they give the same bits. Each output row's arithmetic does not depend on how
 // many rows are multiplied together: a verify row equals the decode step's row bit for bit.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,16 +49,17 @@ struct Bytes {
 };
 
 struct Activations {
-  const int8_t* values;  // [N, I]
-  const float* scales;   // [N, I / 32]
-  const float* sums;     // [N, I / 32]
+  const int8_t* values;   // [N, I]
+  const float* scales;    // [N, I / 32]
+  const float* sums;      // [N, I / 32]
+  const int32_t* totals;  // [N, I / 32] sum(x_q), an integer
   int64_t in_features;
 };
 
 // Rows of x [N, I] -> int8 values [N, I], and per block of 32: the scale d_x [N, I / 32] (the
-// largest magnitude over 127) and d_x * sum(x_q) [N, I / 32].
+// largest magnitude over 127), d_x * sum(x_q) [N, I / 32] and sum(x_q) itself.
 void quantize_rows(const float* x, int64_t num_rows, int64_t x_stride, int64_t in_features, int8_t* values,
-                   float* scales, float* sums) {
+                   float* scales, float* sums, int32_t* totals) {
   const int64_t num_blocks = in_features / kBlock;
   for (int64_t n = 0; n < num_rows; ++n) {
     for (int64_t b = 0; b < num_blocks; ++b) {
@@ -74,6 +75,7 @@ void quantize_rows(const float* x, int64_t num_rows, int64_t x_stride, int64_t i
       }
       scales[n * num_blocks + b] = scale;
       sums[n * num_blocks + b] = scale * static_cast<float>(total);
+      totals[n * num_blocks + b] = total;
     }
   }
 }
@@ -108,13 +110,33 @@ void groups_portable(const uint8_t* packed, const Activations& a, int64_t num_ro
   }
 }
 
+// Groups [g_begin, g_end) of a packed weight times rows [0, N), in chunks of up to K::kMaxRows rows,
+// each chunk of R rows by K::rows<L, R> (the rows' accumulators in registers: R is a constant).
+template <typename K, typename L, int R = 1>
+inline void chunk(int64_t num_rows, const uint8_t* group, const Activations& a, int64_t row0, float* columns,
+                  int64_t out_stride) {
+  if constexpr (R < K::kMaxRows) {
+    if (num_rows != R) return chunk<K, L, R + 1>(num_rows, group, a, row0, columns, out_stride);
+  }
+  K::template rows<L, R>(group, a, row0, columns, out_stride);
+}
+template <typename K, typename L>
+void groups(const uint8_t* packed, const Activations& a, int64_t num_rows, int64_t g_begin, int64_t g_end, float* out,
+            int64_t out_stride) {
+  const int64_t num_blocks = a.in_features / kBlock;
+  for (int64_t g = g_begin; g < g_end; ++g)
+    for (int64_t n = 0; n < num_rows; n += K::kMaxRows)
+      chunk<K, L>(std::min<int64_t>(K::kMaxRows, num_rows - n), packed + g * num_blocks * L::kPackedBytes, a, n,
+                  out + g * kGroup, out_stride);
+}
+
 #if INT8_X86
 #define INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
 // quantize_rows with vectors: the same values (the largest magnitude is exact, the product the same
 // rounded product, and the conversion rounds to nearest even, as std::nearbyint does by default)
 INT8_TARGET void quantize_rows_vnni(const float* x, int64_t num_rows, int64_t x_stride, int64_t in_features,
-                                    int8_t* values, float* scales, float* sums) {
+                                    int8_t* values, float* scales, float* sums, int32_t* totals) {
   const int64_t num_blocks = in_features / kBlock;
   for (int64_t n = 0; n < num_rows; ++n) {
     for (int64_t b = 0; b < num_blocks; ++b) {
@@ -127,8 +149,10 @@ INT8_TARGET void quantize_rows_vnni(const float* x, int64_t num_rows, int64_t x_
       int8_t* out = values + n * in_features + b * kBlock;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(low));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(high));
+      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(low, high));
       scales[n * num_blocks + b] = scale;
-      sums[n * num_blocks + b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(low, high)));
+      sums[n * num_blocks + b] = scale * static_cast<float>(total);
+      totals[n * num_blocks + b] = total;
     }
   }
 }
@@ -182,23 +206,95 @@ INT8_TARGET void group_rows_vnni(const uint8_t* group, const Activations& a, int
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (row0 + r) * out_stride, _mm512_add_ps(acc[r], shift[r]));
 }
 
-template <typename L>
-void groups_vnni(const uint8_t* packed, const Activations& a, int64_t num_rows, int64_t g_begin, int64_t g_end,
-                 float* out, int64_t out_stride) {
-  const int64_t num_blocks = a.in_features / kBlock;
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    const uint8_t* group = packed + g * num_blocks * L::kPackedBytes;
-    float* columns = out + g * kGroup;
-    for (int64_t n = 0; n < num_rows; n += 8) {
-      switch (std::min<int64_t>(8, num_rows - n)) {
-#define INT8_ROWS(R) \
-  case R: group_rows_vnni<L, R>(group, a, n, columns, out_stride); break;
-        INT8_ROWS(1) INT8_ROWS(2) INT8_ROWS(3) INT8_ROWS(4) INT8_ROWS(5) INT8_ROWS(6) INT8_ROWS(7) INT8_ROWS(8)
-#undef INT8_ROWS
-      }
-    }
+struct Vnni {
+  static constexpr int kMaxRows = 8;
+  template <typename L, int R>
+  static void rows(const uint8_t* group, const Activations& a, int64_t row0, float* out, int64_t out_stride) {
+    group_rows_vnni<L, R>(group, a, row0, out, out_stride);
+  }
+};
+
+// AVX2 (no VNNI): each operand as two halves of 8 lanes (its bytes 0-31 and 32-63), one half at a
+// time, R rows at once. vpmaddubsw sums pairs of products into 16 bits, vpmaddwd by ones the pairs
+// into 32. For 4-bit values (at most 15) a pair's sum, at most 2 * 15 * 127, never saturates. Bytes
+// (q + 128, up to 255) could (2 * 255 * 127 > 32767), so their sum is taken over q = v - 128 with
+// the sign moved onto x (|q| * sign(x, q), a pair at most 2 * 128 * 127), and 128 * sum(x_q) added
+// back: the same integer as VNNI's, scaled by the same float operations, so the same bits.
+#define INT8_AVX2 __attribute__((target("avx2,f16c,fma")))
+
+INT8_AVX2 inline void operands_half(const uint8_t* half, Nibbles, __m256i* out) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int s = 0; s < 4; ++s) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * s));
+    out[2 * s] = _mm256_and_si256(bytes, low);
+    out[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
   }
 }
+INT8_AVX2 inline void operands_half(const uint8_t* half, Bytes, __m256i* out) {
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int k = 0; k < 8; ++k)  // q = v - 128, as int8
+    out[k] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * k)), bias);
+}
+// A block's 8 lanes' integer sums over its 32 inputs xq: 4-bit values' pairs (at most 2 * 15 * 127)
+// add up in 16 bits over all eight operands (at most 30,480) before one vpmaddwd; bytes' pairs (up
+// to 2 * 128 * 127) are widened operand by operand, and 128 * sum(x_q) added back.
+INT8_AVX2 inline __m256i block_sum(const __m256i* values, const int8_t* xq, int32_t, Nibbles) {
+  __m256i pairs = _mm256_setzero_si256();
+  for (int k = 0; k < 8; ++k) {
+    int32_t four;
+    std::memcpy(&four, xq + 4 * k, 4);
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(values[k], _mm256_set1_epi32(four)));
+  }
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+INT8_AVX2 inline __m256i block_sum(const __m256i* q, const int8_t* xq, int32_t x_total, Bytes) {
+  __m256i total = _mm256_set1_epi32(128 * x_total);  // what q = v - 128 leaves out of sum(x_q v)
+  for (int k = 0; k < 8; ++k) {
+    int32_t four;
+    std::memcpy(&four, xq + 4 * k, 4);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q[k]), _mm256_sign_epi8(_mm256_set1_epi32(four), q[k]));
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  return total;
+}
+
+template <typename L, int R>
+INT8_AVX2 void group_rows_avx2(const uint8_t* group, const Activations& a, int64_t row0, float* out,
+                               int64_t out_stride) {
+  const int64_t num_blocks = a.in_features / kBlock;
+  for (int h = 0; h < 2; ++h) {  // lanes 8 h .. 8 h + 7
+    __m256 acc[R], shift[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = shift[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = group + b * L::kPackedBytes;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + L::kValueBytes + 16 * h)));
+      const __m256 m = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + L::kValueBytes + 2 * kGroup + 16 * h)));
+      __m256i values[8];
+      operands_half(block + 32 * h, L{}, values);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t n = row0 + r;
+        const int8_t* xq = a.values + n * a.in_features + b * kBlock;
+        const __m256i total = block_sum(values, xq, a.totals[n * num_blocks + b], L{});
+        const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(a.scales[n * num_blocks + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scaled, acc[r]);
+        shift[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sums[n * num_blocks + b]), shift[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + (row0 + r) * out_stride + 8 * h, _mm256_add_ps(acc[r], shift[r]));
+  }
+}
+
+struct Avx2 {
+  static constexpr int kMaxRows = 4;
+  template <typename L, int R>
+  static void rows(const uint8_t* group, const Activations& a, int64_t row0, float* out, int64_t out_stride) {
+    group_rows_avx2<L, R>(group, a, row0, out, out_stride);
+  }
+};
 #endif
 
 }  // namespace
@@ -217,21 +313,23 @@ void int8_times(int64_t format, const float* x, int64_t num_rows, int64_t x_stri
   const int64_t num_blocks = in_features / kBlock;
   std::vector<int8_t> values(num_rows * in_features);
   std::vector<float> scales(num_rows * num_blocks), sums(num_rows * num_blocks);
+  std::vector<int32_t> totals(num_rows * num_blocks);
+  // the same bits on every path; isa 0 asks for the portable one, 1 for AVX2's
+  const bool vnni = isa == 2 && has_vnni(), avx2 = !vnni && isa >= 1;  // isa: checked against the CPU
 #if INT8_X86
-  const bool vector = isa == 2 && has_vnni();  // the same bits either way; isa 0 asks for the portable path
-  if (vector) quantize_rows_vnni(x, num_rows, x_stride, in_features, values.data(), scales.data(), sums.data());
-#else
-  const bool vector = false;
+  if (vnni) quantize_rows_vnni(x, num_rows, x_stride, in_features, values.data(), scales.data(), sums.data(), totals.data());
 #endif
-  if (!vector) quantize_rows(x, num_rows, x_stride, in_features, values.data(), scales.data(), sums.data());
-  const Activations a{values.data(), scales.data(), sums.data(), in_features};
+  if (!vnni) quantize_rows(x, num_rows, x_stride, in_features, values.data(), scales.data(), sums.data(), totals.data());
+  const Activations a{values.data(), scales.data(), sums.data(), totals.data(), in_features};
   // about as many tasks as threads, at least one group each
   const int64_t grain = std::max<int64_t>(1, num_groups / (4 * at::get_num_threads()));
   const bool nibbles = format == kInt8Q4;
   at::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
 #if INT8_X86
-    if (vector && nibbles) return groups_vnni<Nibbles>(packed, a, num_rows, begin, end, out, out_stride);
-    if (vector) return groups_vnni<Bytes>(packed, a, num_rows, begin, end, out, out_stride);
+    if (vnni && nibbles) return groups<Vnni, Nibbles>(packed, a, num_rows, begin, end, out, out_stride);
+    if (vnni) return groups<Vnni, Bytes>(packed, a, num_rows, begin, end, out, out_stride);
+    if (avx2 && nibbles) return groups<Avx2, Nibbles>(packed, a, num_rows, begin, end, out, out_stride);
+    if (avx2) return groups<Avx2, Bytes>(packed, a, num_rows, begin, end, out, out_stride);
 #endif
     if (nibbles) return groups_portable<Nibbles>(packed, a, num_rows, begin, end, out, out_stride);
     groups_portable<Bytes>(packed, a, num_rows, begin, end, out, out_stride);
