@@ -16,8 +16,8 @@ its length, so a row's arithmetic never depends on the rows beside it.
 Decode and verify rows (up to ``DIRECT_ROWS``) go through the kernel, each decoded block shared by
 all rows. Longer inputs (prompts, a draft head's catch-up) go through it too up to the row count
 where, on this host, decoding a tile of the weight at a time into a float32 product starts to win
-(engine/matmul.py's ``measure_direct_rows``, per weight shape: for a wide product of a narrow input that is never,
-for a narrow one of a wide input a few dozen rows).
+(engine/matmul.py's ``measure_direct_rows``, per weight shape: for a wide product of a narrow
+input that can be never, for a narrow one of a wide input a few dozen rows).
 Whether a weight shape is held as blocks is the ``MatmulPlan``'s choice (``engine/matmul.py``):
 measured against the float32 formulations, like oneDNN's packed copies.
 

@@ -151,14 +151,14 @@ class ProductWeights:
             key = cache.key([weight_key(w) for w in weights], list(by_shape), max_rows) if cache else ""
             self.plan_key = key
             plan = cache.load(key) if cache else None
+            # the stored plan's, else measured now: before the plan, so it times long inputs as they will run
+            direct_rows = plan.direct_rows if plan else {}
+            self.blocks = with_direct_rows(self.blocks, direct_rows)
             if plan is None:
-                direct_rows: dict[str, int] = {}  # first, so the plan times long inputs as they will run
-                self.blocks = with_direct_rows(self.blocks, direct_rows)
                 plan = MatmulPlan.measure(weights, max_rows, blocks=self.blocks_by_shape())
                 plan.direct_rows = direct_rows
                 if cache:
                     cache.save(key, plan)
-            self.blocks = with_direct_rows(self.blocks, plan.direct_rows)
             self.use_plan(plan)
         return self.plan
 

@@ -10,8 +10,9 @@
 //   d * d_x * sum(q * x_q) + m * (d_x * sum(x_q)),
 // the integer sum taken by AVX-512 VNNI (vpdpbusd: 16 rows x 4 inputs per instruction) where the
 // CPU has it, else by AVX2 (the same integer, below), else by portable code; every float operation
-// is the same on the three (fused multiply-adds as std::fmaf), so they give the same bits. Each output row's arithmetic does not depend on how
-// many rows are multiplied together: a verify row equals the decode step's row bit for bit.
+// is the same on the three (fused multiply-adds as std::fmaf), so they give the same bits. Each
+// output row's arithmetic does not depend on how many rows are multiplied together: a verify row
+// equals the decode step's row bit for bit.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -235,9 +236,9 @@ INT8_AVX2 inline void operands_half(const uint8_t* half, Bytes, __m256i* out) {
   for (int k = 0; k < 8; ++k)  // q = v - 128, as int8
     out[k] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 64 * k)), bias);
 }
-// A block's 8 lanes' integer sums over its 32 inputs xq: 4-bit values' pairs (at most 2 * 15 * 127)
-// add up in 16 bits over all eight operands (at most 30,480) before one vpmaddwd; bytes' pairs (up
-// to 2 * 128 * 127) are widened operand by operand, and 128 * sum(x_q) added back.
+// A block's 8 lanes' integer sums over its 32 inputs xq: 4-bit values' pairs add up in 16 bits over
+// all eight operands (at most 8 * 2 * 15 * 127 = 30,480) before one vpmaddwd; bytes' are widened
+// operand by operand.
 INT8_AVX2 inline __m256i block_sum(const __m256i* values, const int8_t* xq, int32_t, Nibbles) {
   __m256i pairs = _mm256_setzero_si256();
   for (int k = 0; k < 8; ++k) {
