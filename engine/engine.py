@@ -287,8 +287,9 @@ class SpecEngine:
         if self.logits_hook is not None:
             logits = self.logits_hook(seq.request, seq.stats.target_forwards, logits)
         # NaN or inf anywhere in the logits poisons all of p, which the sampler then refuses (no extra
-        # sync). isfinite, not a sum: summing 49k half-precision logits overflows to inf on its own.
-        finite = torch.isfinite(logits).all()  # []
+        # sync). The extremes tell (NaN propagates through min and max) in one pass, several times
+        # cheaper on CPU than isfinite().all(); not a sum, which overflows over 49k float16 logits.
+        finite = torch.isfinite(torch.stack(torch.aminmax(logits))).all()  # []
         # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token
         # (at temperature 0, p is one-hot: the same verdict from the target's tokens alone).
         if sampler.params.greedy:

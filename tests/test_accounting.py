@@ -57,6 +57,26 @@ def test_a_real_nan_is_still_refused_in_float16():
         list(engine.generate(Request("n", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_bad_logit_in_a_verify_row_is_refused(bad, temperature):
+    """One NaN or inf among the logits of any row (here the last row of a k = 4 verify, late in the
+    vocabulary) is refused like a row of them: the guard reads every row and every id."""
+    from engine.spec import NonFiniteProbabilities
+
+    def spoil(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        logits[-1, -3] = bad
+        return logits
+
+    target = tiny_llama(seed=3, vocab_size=96)
+    engine = tiny_engine(target, perturbed_copy(target, 0.01, 1), num_draft_tokens=4)
+    engine.logits_hook = every_forward(spoil)
+    params = SamplingParams(max_tokens=3, temperature=temperature)
+    with pytest.raises(NonFiniteProbabilities):
+        list(engine.generate(Request("b", [1, 2, 3], params, drafter="model")))
+
+
 # ---- 2 and 8: counters describe the tokens the client received --------------------------------------
 
 
