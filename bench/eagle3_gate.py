@@ -4,10 +4,10 @@ The embedded target serves every first request of bench/prompts.yaml with the sh
 (greedy, 96 tokens, k = 4), its chain cut at the first position where the head's own top
 probability (softmax of its logits, before the request's transforms: at temperature 0 those make q
 one-hot) falls below a threshold. Every step's drafted and accepted tokens are recorded, then
-priced by a line per target forward, a + b * rows ms (float32 and int8 activations, as
-bench/results/int8.json fitted them on a Zen 4 host), plus the head's steps (0.65 ms each: the
-ones that drafted and the one that stopped the chain). Output per threshold and prompt type: tokens
-per target forward, and modelled speed against target-only (a + b ms a token).
+priced by the target's forward over 1 to 8 rows and the head's step as bench/results/int8.json
+measured them on a Zen 4 host (float32 and int8 activations), the head's steps counted as the ones
+that drafted and the one that stopped the chain. Output per threshold and prompt type: tokens per
+target forward, and modelled speed against target-only (a one-row forward a token).
 
     .venv/bin/python bench/eagle3_gate.py [--thresholds 0,0.3,0.5,0.7,0.9]
 
@@ -38,8 +38,11 @@ from engine.factory import load_engine  # noqa: E402
 from engine.spec import sample_one  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
-LINES = {"float32": (3.76, 2.43), "int8": (4.46, 0.74)}  # ms: a + b * rows, bench/results/int8.json
-HEAD_STEP_MS = 0.65
+# by activations: ms of a forward by rows and of a head step, as bench/int8.py measured them
+COSTS = {
+    name: ({int(rows): ms for rows, ms in served["ms_by_rows"].items()}, served["head_step_ms"])
+    for name, served in json.loads((BENCH / "results" / "int8.json").read_text())["served_rows"].items()
+}
 
 
 def gated_chain(logits, advance, num_draft_tokens, sampler, threshold: float) -> Proposal:
@@ -84,7 +87,7 @@ def main() -> None:
         by_type = {}
         for kind, entries in prompts.items():
             tokens = forwards = 0
-            ms = dict.fromkeys(LINES, 0.0)
+            ms = dict.fromkeys(COSTS, 0.0)
             for index, entry in enumerate(entries):
                 prompt_ids = chat_ids(loaded.tokenizer, Conversation.of(entry).first_request())
                 steps.clear()
@@ -92,20 +95,20 @@ def main() -> None:
                 for asked, drafted, accepted in steps[1:]:  # the first also read the prompt
                     head_steps = min(asked, drafted + 1)  # the drafts, and the look that stopped the chain
                     tokens, forwards = tokens + accepted + 1, forwards + 1
-                    for name, (fixed, per_row) in LINES.items():
-                        ms[name] += fixed + per_row * (1 + drafted) + HEAD_STEP_MS * head_steps
+                    for name, (forward_ms, head_ms) in COSTS.items():
+                        ms[name] += forward_ms[1 + drafted] + head_ms * head_steps
             by_type[kind] = {"tokens_per_forward": round(tokens / forwards, 3)} | {
-                f"vs_target_only_{name}": round((fixed + per_row) * tokens / ms[name], 3)
-                for name, (fixed, per_row) in LINES.items()
+                f"vs_target_only_{name}": round(forward_ms[1] * tokens / ms[name], 3)
+                for name, (forward_ms, _) in COSTS.items()
             }
         geomeans = {
             name: round(statistics.geometric_mean(row[f"vs_target_only_{name}"] for row in by_type.values()), 3)
-            for name in LINES
+            for name in COSTS
         }
         results[str(threshold)] = {"by_type": by_type, "geomean_vs_target_only": geomeans}
         print(threshold, json.dumps(results[str(threshold)]), flush=True)
     out = BENCH / "results" / "eagle3_gate.json"
-    report = {"host": host(bandwidth=False), "settings": vars(args) | {"lines_ms": LINES, "head_step_ms": HEAD_STEP_MS}}
+    report = {"host": host(bandwidth=False), "settings": vars(args) | {"costs_ms": COSTS}}
     out.write_text(json.dumps(report | {"by_threshold": results}, indent=2) + "\n")
     print(f"wrote {out}")
 
