@@ -168,6 +168,19 @@ def _choice_key(target: CausalLM, num_draft_tokens: int, may_keep_none: bool) ->
     return "copy-auto-" + digest(described)
 
 
+def robust_line(values: list[float]) -> list[float]:
+    """A line through ``values`` (at x = 0, 1, ...) that one disturbed reading cannot tip: the median
+    of the pairwise slopes (at least 0), through the median of what each point leaves for the
+    intercept (Theil-Sen), no point below half the cheapest reading (nothing is free). A
+    least-squares line through five start-up timings, one caught by a busy host, could price plain
+    decoding below zero."""
+    n = len(values)
+    pairs = [(values[j] - values[i]) / (j - i) for i in range(n) for j in range(i + 1, n)]
+    slope = max(statistics.median(pairs), 0.0) if pairs else 0.0
+    intercept = statistics.median(y - slope * x for x, y in enumerate(values))
+    return [max(intercept + slope * x, min(values) / 2) for x in range(n)]
+
+
 def fitted_line(values: list[float]) -> list[float]:
     """The least-squares line through ``values`` (at x = 0, 1, ...), its slope at least 0."""
     n = len(values)

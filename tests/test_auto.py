@@ -11,6 +11,7 @@ from engine.adaptive import StepCosts
 from engine.drafters.auto import MATCH_PRIORS, match_track
 from engine.drafters.base import Proposal
 from engine.factory import warm_up
+from engine.measure import robust_line
 from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
@@ -249,6 +250,24 @@ def test_warm_up_times_the_steps_so_the_first_request_need_not():
     assert model_costs.draft == 0.5
     model_costs.observe(4, 4 * 1.5, 0.25)
     assert 0.5 < model_costs.draft < 1.5
+
+
+@pytest.mark.parametrize(
+    "timed",
+    [
+        [6.0, 8.0, 10.0, 12.0, 14.0],
+        [6.0, 8.0, 10.0, 12.0, 60.0],
+        [30.0, 8.0, 10.0, 12.0, 14.0],
+        [6.0, 8.0, 45.0, 12.0, 14.0],
+    ],
+)
+def test_one_disturbed_start_up_timing_cannot_tip_the_verify_line(timed):
+    """Start-up times the forward at each k; a busy host can catch one of them. The line auto prices
+    k by stays the one the other four lie on (a least-squares line through the spike at k = 4 put
+    plain decoding at -3.2 ms, and every step then looked free)."""
+    assert robust_line(timed) == pytest.approx([6.0, 8.0, 10.0, 12.0, 14.0])
+    assert robust_line([5.0, 4.0, 3.0, 2.0, 1.0]) == [3.0] * 5  # no k is cheaper than a smaller one
+    assert min(robust_line([1.0, 1.0, 1.0, 9.0, 9.0])) == 0.5  # and none is free
 
 
 def test_live_verify_timings_move_the_start_up_line_as_a_whole():

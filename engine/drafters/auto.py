@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_tokens
-from ..measure import agreement, extra_row_seconds, fitted_line, prefill_seconds_per_token, read_seconds
+from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal
 from .eagle3 import head_drafter
@@ -119,8 +119,8 @@ class AutoDrafter(Drafter):
 
     def warm_up(self) -> None:
         """Price the candidates before the first request: the target's forward over k + 1 tokens for
-        each k (best of two each, fitted by a line: single readings scatter by 10-15%, and a high one
-        would keep its k from ever being tried), the draft model's step, its catch-up costs and its
+        each k (best of two each, on a robust line: readings scatter by 10-15%, and a high one would
+        keep its k from ever being tried), the draft model's step, its catch-up costs and its
         agreement with the target (unless start-up measured that already)."""
         if self.resources is None:
             return
@@ -136,7 +136,7 @@ class AutoDrafter(Drafter):
             if self.draft_agreement is None:
                 self.draft_agreement = agreement(draft, target)
             self.expect_agreement(self.draft_agreement)
-        self.expect_step_costs(dict(enumerate(fitted_line(timed))), draft_step)
+        self.expect_step_costs(dict(enumerate(robust_line(timed))), draft_step)
         for name, candidate in self.candidates.items():  # a model of its own (an EAGLE-3 head): its own price
             if (own := candidate.own_costs() if candidate.runs_model else None) is not None:
                 self.draft_costs[name] = StepCosts(draft=own.step_seconds, provisional_draft=True)
