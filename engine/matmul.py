@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -246,24 +247,23 @@ class MatmulPlan:
     def _time_group(self, key: Key, operands: dict[str, list], slots: list[int], repeats: int) -> None:
         """Time each form in ``operands`` on its group at every slot; keep the fastest float32 formulation."""
         device = operands["linear"][0].device
+
+        def run(name: str, x: torch.Tensor) -> None:  # the group's every weight, one formulation
+            product = _held if name in HELD else FORMULATIONS[name]
+            for weight in operands[name]:
+                product(x, weight)
+
         with torch.inference_mode():
             for slot in slots:
                 x = torch.randn(slot or LONG_ROWS, key[1], dtype=key[2], device=device)  # [N, I]
-                best = dict.fromkeys(candidates(key[2], slot, PACKED in operands, BLOCKS in operands), float("inf"))
-                if len(best) == 1:
-                    self.choices[key, slot] = next(iter(best))
+                names = list(candidates(key[2], slot, PACKED in operands, BLOCKS in operands))
+                if len(names) == 1:
+                    self.choices[key, slot] = names[0]
                     continue
                 # Round 0 pays first-call costs, untimed; over LONG_ROWS rows they are negligible
                 # and one timed round suffices (the formulations differ by 2x or more there).
                 rounds = [False, *[True] * repeats] if slot != LONG else [True]
-                for timed in rounds:
-                    for name in best:
-                        product = _held if name in HELD else FORMULATIONS[name]
-                        started = time.perf_counter()
-                        for weight in operands[name]:
-                            product(x, weight)
-                        if timed:
-                            best[name] = min(best[name], time.perf_counter() - started)
+                best = best_times({name: partial(run, name, x) for name in names}, rounds)
                 self.timings_us[key, slot] = {name: seconds * 1e6 for name, seconds in best.items()}
                 self.choices[key, slot] = min((n for n in best if n not in HELD), key=best.__getitem__)
 
@@ -304,6 +304,20 @@ def _held_choice(plan: MatmulPlan, key: Key, slots: list[int], forms: list[str])
     return "retime" if means[form] < 1 + HELD_MARGIN else None
 
 
+def best_times(calls: dict, rounds: Iterable[bool]) -> dict:
+    """The best seconds of each of ``calls`` (callables taking nothing, by any key), all called in
+    turn in every round, so that a slow moment of the host falls on each alike; a round marked
+    False pays first-call costs and is not timed."""
+    best = dict.fromkeys(calls, float("inf"))
+    for timed in rounds:
+        for key, call in calls.items():
+            started = time.perf_counter()
+            call()
+            if timed:
+                best[key] = min(best[key], time.perf_counter() - started)
+    return best
+
+
 def weight_key(weight: torch.Tensor) -> Key:
     return weight.shape[0], weight.shape[1], weight.dtype
 
@@ -326,13 +340,8 @@ def measure_direct_rows(weight: BlockWeight, repeats: int = 2) -> int:
 
 def _kernel_wins(weight: BlockWeight, rows: torch.Tensor, repeats: int) -> bool:
     """Whether ``weight``'s kernel multiplied ``rows`` at least as fast as its decoded tiles."""
-    best = {weight.direct: float("inf"), weight.tiled: float("inf")}
-    for timed in [False, *[True] * repeats]:
-        for multiply in best:
-            started = time.perf_counter()
-            weight.product(rows, multiply)
-            if timed:
-                best[multiply] = min(best[multiply], time.perf_counter() - started)
+    calls = {multiply: partial(weight.product, rows, multiply) for multiply in (weight.direct, weight.tiled)}
+    best = best_times(calls, [False, *[True] * repeats])
     return best[weight.direct] <= best[weight.tiled]
 
 
