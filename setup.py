@@ -1,4 +1,4 @@
-"""Builds engine/_blocks, the CPU products over GGUF quantized blocks (engine/csrc), with torch's
+"""Builds engine/cpu/_blocks, the CPU products over GGUF quantized blocks (engine/cpu/csrc), with torch's
 extension tooling when the project installs (``pip install --no-build-isolation -e .``, as the
 Makefile does). Without a compiler, or without torch in the build environment, the install still
 succeeds without it, and the engine multiplies float32 weights as before (its start-up line says so).
@@ -15,7 +15,7 @@ def extension_options() -> dict:
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
-        print("specserve: torch is not importable at build time; building without engine/_blocks", file=sys.stderr)
+        print("specserve: torch is not importable at build time; building without engine/cpu/_blocks", file=sys.stderr)
         return {}
 
     class OptionalBuild(BuildExtension):
@@ -23,18 +23,18 @@ def extension_options() -> dict:
             try:
                 super().run()
             except Exception as error:  # no compiler, or one that fails: install without the extension
-                print(f"specserve: engine/_blocks not built ({error}); float32 products only", file=sys.stderr)
+                print(f"specserve: engine/cpu/_blocks not built ({error}); float32 products only", file=sys.stderr)
 
     extension = CppExtension(
-        "engine._blocks",
-        [f"engine/csrc/{name}" for name in SOURCES],
+        "engine.cpu._blocks",
+        [f"engine/cpu/csrc/{name}" for name in SOURCES],
         extra_compile_args=["-O3", "-fno-math-errno", "-Wno-psabi", "-fopenmp"],
         extra_link_args=["-fopenmp"],
         depends=[
-            "engine/csrc/blocks.h",
-            "engine/csrc/blocks_kernel.h",
-            "engine/csrc/attention_kernel.h",
-            "engine/csrc/ops.h",
+            "engine/cpu/csrc/blocks.h",
+            "engine/cpu/csrc/blocks_kernel.h",
+            "engine/cpu/csrc/attention_kernel.h",
+            "engine/cpu/csrc/ops.h",
         ],
         py_limited_api=False,
     )

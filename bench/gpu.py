@@ -6,8 +6,8 @@ models built from configs (no download).
 
 Random weights make acceptance meaningless, so this measures what does not depend on it, for each
 dtype and each way of running the forward (``CONFIGURATIONS``: eager; CUDA graphs as
-``engine/runner.py`` captures them, with eager pointwise kernels; the same graphs with the pointwise
-kernels compiled by ``engine/kernels.py``, the engine's default on a GPU):
+``engine/model/runner.py`` captures them, with eager pointwise kernels; the same graphs with the pointwise
+kernels compiled by ``engine/model/kernels.py``, the engine's default on a GPU):
 - the target's 1-token step, its verify at k + 1 = 2..9 tokens, and the draft's 1-token step;
 - the achieved fraction of the HBM bound (weight bytes over measured read bandwidth);
 - tokens/s when acceptance is forced to 0.6, 0.8 and 1.0 (k = 4): each step runs the real
@@ -36,10 +36,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.adaptive import expected_tokens
-from engine.eagle3_head import Eagle3Head, default_aux_layers
-from engine.measure import median_seconds, synchronize
-from engine.model import CausalLM
-from engine.runner import GraphRunner
+from engine.drafters.eagle3_head import Eagle3Head, default_aux_layers
+from engine.model.model import CausalLM
+from engine.model.runner import GraphRunner
+from engine.model.timing import median_seconds, synchronize
 
 SHAPES = {
     # Llama-3-8B and Llama-3.2-1B shapes (same 128k vocabulary)

@@ -53,7 +53,7 @@ from runners import (  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import build_engine  # noqa: E402
-from engine.loader import embedded_gguf, eos_token_ids, load, load_draft  # noqa: E402
+from engine.model.loader import embedded_gguf, eos_token_ids, load, load_draft  # noqa: E402
 from server.settings import DEFAULT_DRAFT  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent

@@ -9,12 +9,12 @@ import torch
 from .errors import ConfigError
 
 FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
-KERNEL_MODES = ("auto", "eager", "compiled")  # the pointwise work between products (engine/kernels.py)
-# CPU matmul plans (engine/plan_cache.py): read the one stored for this host and model where one matches
+KERNEL_MODES = ("auto", "eager", "compiled")  # the pointwise work between products (engine/model/kernels.py)
+# CPU matmul plans (engine/cpu/plan_cache.py): read the one stored for this host and model where one matches
 # (else measure and store it), or measure again and replace it
 PLAN_MODES = ("cached", "measure")
 # What a GGUF target's Q4_0, Q4_1 and Q8_0 block products multiply: float32 activations (exact to the file's
-# float32 model), or activations quantized to int8 per block of 32, as llama.cpp does (engine/csrc/blocks_int8.cpp)
+# float32 model), or activations quantized to int8 per block of 32, as llama.cpp does (engine/cpu/csrc/blocks_int8.cpp)
 ACTIVATIONS = ("float32", "int8")
 NO_DRAFTER = "none"  # as a drafter's name: the target alone (a request's, or the engine's default)
 DRAFT_KV = ("auto", "own", "target")
@@ -37,7 +37,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, capped at 4096
     seed: int | None = None
-    threads: int | None = None  # CPU intra-op threads; None: the CPUs this process may use (engine/threads.py)
+    threads: int | None = None  # CPU intra-op threads; None: the CPUs this process may use (engine/cpu/threads.py)
     adaptive_k: bool = False  # choose k per step (up to num_draft_tokens) from measured costs
     min_draft_confidence: float = 0.0  # model drafts stop when their top probability falls below this
     ngram_sizes: tuple[int, int] = (1, 4)  # n-gram lookup tries the longest n first
@@ -51,7 +51,7 @@ class EngineConfig:
     # token itself), "target" (copied from the target's cache, cast to the draft's dtype: the draft
     # reads one token per step), "auto" ("target" when the draft is a copy of the target).
     draft_kv: str = "auto"
-    # How decode-shaped forwards run (engine/runner.py): "auto" is CUDA graphs on a GPU and eager on
+    # How decode-shaped forwards run (engine/model/runner.py): "auto" is CUDA graphs on a GPU and eager on
     # CPU; "eager" (--enforce-eager) never records; "compile" is torch.compile, for proving on CPU.
     forward: str = "auto"
     # The norms, residuals, rotary and MLP gate between products: "compiled" fuses them with
@@ -59,10 +59,10 @@ class EngineConfig:
     # to eager kernels, with a warning, where compiling fails; "eager" never compiles them.
     kernels: str = "auto"
     # A GGUF target on CPU may hold its products as the file's own quantized blocks, multiplied in
-    # float32 by engine/csrc's kernels, where the matmul plan measures them faster (engine/blocks.py)
+    # float32 by engine/cpu/csrc's kernels, where the matmul plan measures them faster (engine/cpu/blocks.py)
     gguf_blocks: bool = True
     activations: str = "float32"  # one of ACTIVATIONS; "int8" needs gguf_blocks
-    # CPU matmul plans (engine/plan_cache.py): "cached" reads the plan stored for this host and model
+    # CPU matmul plans (engine/cpu/plan_cache.py): "cached" reads the plan stored for this host and model
     # where there is one (else measures and stores it), "measure" measures and replaces it;
     # plan_cache is the folder (None: $XDG_CACHE_HOME/specserve/matmul-plans, ~/.cache/... where unset)
     matmul_plan: str = "cached"
@@ -159,7 +159,7 @@ def _help(default, text: str):
 
 @dataclass(frozen=True)
 class Eagle3Training:
-    """How ``specserve train-eagle3`` trains a head (engine/eagle3_training.py)."""
+    """How ``specserve train-eagle3`` trains a head (engine/training/eagle3.py)."""
 
     draft_vocab: int = _help(4096, "the head's vocabulary: the target tokens its answers use most")
     ttt_steps: int = _help(4, "draft steps the head is unrolled over in training (training-time test)")

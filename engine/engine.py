@@ -16,8 +16,8 @@ import torch
 from .adaptive import AdaptiveK, StepCosts
 from .config import NO_DRAFTER, EngineConfig, dtype_name
 from .drafters import Drafter, DrafterSet, DraftResources, Proposal
-from .loader import generation_defaults
-from .model import CausalLM
+from .model.loader import generation_defaults
+from .model.model import CausalLM
 from .outputs import OutputCache
 from .request import EngineDescription, Request, StepOutput, TokenLogprob, check_fits
 from .sampling import RequestSampler

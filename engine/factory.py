@@ -16,18 +16,18 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .blocks import FileTensors, offer_blocks
 from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig
+from .cpu.blocks import FileTensors, offer_blocks
+from .cpu.int8_blocks import int8_weight
+from .cpu.plan_cache import PlanCache
+from .cpu.threads import set_threads, usable_cpus
 from .drafters import check_stages
 from .engine import SpecEngine
 from .errors import ConfigError
-from .int8_blocks import int8_weight
-from .loader import eos_token_ids, load
 from .measure import choose_copy
-from .model import CausalLM
-from .plan_cache import PlanCache
-from .runner import GraphRunner
-from .threads import set_threads, usable_cpus
+from .model.loader import eos_token_ids, load
+from .model.model import CausalLM
+from .model.runner import GraphRunner
 
 log = logging.getLogger(__name__)
 

@@ -16,31 +16,12 @@ import time
 import torch
 
 from .adaptive import expected_tokens
-from .matmul import thread_clock, thread_share
-from .model import CausalLM
-from .plan_cache import PlanCache, digest
+from .cpu.matmul import thread_clock, thread_share
+from .cpu.plan_cache import PlanCache, digest
+from .model.model import CausalLM
+from .model.timing import synchronize
 
 log = logging.getLogger(__name__)
-
-
-def median_seconds(fn, device: torch.device, repeats: int) -> float:
-    """The median of ``repeats`` timed calls of ``fn`` (after one untimed call), waiting for
-    ``device`` around each."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        started = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (nothing to wait for on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def read_seconds(model: CausalLM, num_tokens: int, repeats: int) -> float:

@@ -14,7 +14,7 @@ import torch
 from .config import COPY_PREFIX, NO_DRAFTER, ConfigError, EngineConfig
 from .drafters import available, check_stages
 from .drafters.medusa import check_checkpoint
-from .loader import locate
+from .model.loader import locate
 
 
 def check_device(config: EngineConfig) -> list[str]:

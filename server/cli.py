@@ -11,7 +11,7 @@ import os
 import socket
 import sys
 
-from engine.threads import set_wait_policy
+from engine.cpu.threads import set_wait_policy
 
 # Both are read once, when the hub library and OpenMP load: set them before anything imports torch.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; models come from disk
@@ -86,7 +86,7 @@ def train_medusa_command(args: dict) -> None:
     from pathlib import Path
 
     from engine.drafters.medusa import shipped_heads
-    from engine.training import train_medusa
+    from engine.training.calibration import train_medusa
 
     loaded = _offline_engine(args["target"])
     out = Path(args["out"]) if args["out"] else shipped_heads(loaded.model_name)
@@ -106,7 +106,7 @@ def train_medusa_command(args: dict) -> None:
 def train_eagle3_command(args: dict) -> None:
     from pathlib import Path
 
-    from engine.eagle3_training import train_eagle3
+    from engine.training.eagle3 import train_eagle3
 
     settings = Eagle3Training(**{name: args[name] for name in Eagle3Training.__dataclass_fields__})
     out = Path(args["out"]) if args["out"] else None
@@ -116,7 +116,7 @@ def train_eagle3_command(args: dict) -> None:
 def calibrate_self_command(args: dict) -> None:
     from pathlib import Path
 
-    from engine.training import calibrate_self
+    from engine.training.calibration import calibrate_self
 
     loaded = _offline_engine(args["target"])
     keep = args["keep"] or len(loaded.engine.target.layers) // 2

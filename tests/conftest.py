@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(autouse=True, scope="session")
 def plan_cache_folder(tmp_path_factory) -> Path:
-    """The matmul plans this session's engines and servers store (engine/plan_cache.py) go to a cache
+    """The matmul plans this session's engines and servers store (engine/cpu/plan_cache.py) go to a cache
     folder of its own, not the user's; Hugging Face's cache stays where it was."""
     os.environ.setdefault(
         "HF_HOME", str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface")

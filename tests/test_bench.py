@@ -59,7 +59,7 @@ def test_every_server_run_reads_its_whole_prompt(tiny_model_dirs, tmp_path):
 
 
 def test_a_bench_ended_with_sigterm_closes_its_server(tiny_model_dirs, tmp_path):
-    """kill or pkill on a running bench (as bench/speed.py and bench/spin.py set up) stops the
+    """kill or pkill on a running bench (as bench/speed.py and bench/studies/spin.py set up) stops the
     `specserve serve` it started; before, the server outlived the bench, holding its memory."""
     target, _ = tiny_model_dirs
     script = f"""

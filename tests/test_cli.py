@@ -135,7 +135,7 @@ def test_json_logs_and_the_startup_summary(tiny_model_dirs, tmp_path):
 
 def test_loading_reports_each_stage_with_its_size(tiny_model_dirs):
     from engine.config import EngineConfig
-    from engine.loader import load
+    from engine.model.loader import load
 
     target, draft = tiny_model_dirs
     stages: list[str] = []

@@ -11,12 +11,12 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.factory import build_engine, warm_up
-from engine.loader import converted_copy
 from engine.measure import choose_copy
-from engine.model import CausalLM
+from engine.model.loader import converted_copy
+from engine.model.model import CausalLM
+from engine.model.weights import Int8Weight
 from engine.request import Request
 from engine.sampling import SamplingParams
-from engine.weights import Int8Weight
 from tests.tiny import tiny_llama
 
 
@@ -129,9 +129,9 @@ def test_copy_auto_stores_its_choice_beside_the_plan_and_the_next_start_times_no
     what it chose; the next start of the same model on this host reads it back, timing nothing, and
     keeps the same copy with the same agreement; --matmul-plan measure times again. A model built
     in-process (no name) is timed at every start."""
-    import engine.matmul as matmul_module
+    import engine.cpu.matmul as matmul_module
     import engine.measure as measure_module
-    from engine.plan_cache import PlanCache
+    from engine.cpu.plan_cache import PlanCache
 
     monkeypatch.setattr(matmul_module, "UNDISTURBED_SHARE", 0.0)  # storing is tested here, whatever the host's load
 

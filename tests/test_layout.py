@@ -1,5 +1,6 @@
-"""The house: no module of engine/ or server/ imports in a circle, the engine never imports the
-server, and no file there grows past about 350 lines."""
+"""The house: no module of engine/ or server/ imports in a circle, no floor imports one above it
+(the engine never imports the server), no file grows past about 350 lines, and the tree stays
+readable: a short engine root, the product's benchmarks apart from the studies."""
 
 from __future__ import annotations
 
@@ -80,14 +81,35 @@ def test_the_circle_check_finds_a_circle():
     assert cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_engine_never_imports_the_server():
-    assert not [
-        (name, dep)
-        for name, deps in graph().items()
-        if name.startswith("engine")
-        for dep in deps
-        if dep.startswith("server")
-    ]
+# The floors, lowest first: a module may import its own floor and those below, never one above.
+# engine's root (the speculative step, the request and its sampling, the drafters, the engine thread)
+# is floor 3; errors and config are the foundation every floor reads.
+FLOORS = {"engine.errors": 0, "engine.config": 0, "engine.cpu": 1, "engine.model": 2, "engine.training": 4, "server": 5}
+
+
+def floor(module: str) -> int:
+    found = [level for prefix, level in FLOORS.items() if module == prefix or module.startswith(prefix + ".")]
+    return max(found) if found else 3
+
+
+def test_no_import_runs_back_up():
+    upward = sorted((name, dep) for name, deps in graph().items() for dep in deps if floor(dep) > floor(name))
+    assert not upward
+
+
+def test_the_floor_check_finds_an_upward_import():
+    assert floor("engine.cpu.blocks") < floor("engine.model.model") < floor("engine.engine")
+    assert floor("engine.drafters.eagle3_head") == floor("engine.spec") < floor("engine.training.eagle3")
+    assert floor("engine.config") < floor("engine.cpu.matmul") and floor("server.app") > floor("engine.factory")
+
+
+def test_the_tree_stays_readable():
+    engine_root = [path.name for path in (REPO / "engine").glob("*.py")]
+    bench_top = [path.name for path in (REPO / "bench").iterdir() if path.suffix in {".py", ".sh"}]
+    results = [path.name for path in (REPO / "bench" / "results").iterdir() if not path.name.startswith("quick.")]
+    assert len(engine_root) <= 16, sorted(engine_root)
+    assert len(bench_top) <= 8, sorted(bench_top)
+    assert len(results) <= 30, sorted(results)
 
 
 def test_no_file_does_several_jobs_by_its_size():

@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 import engine.sampling as engine_sampling
-from engine.model import CausalLM
+from engine.model.model import CausalLM
 from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
 from engine.stats import SpecStats
@@ -351,7 +351,7 @@ def test_eos_and_max_tokens_end_generation():
 class EngineForward:
     """A target-only engine's forward, called as exact_distribution calls a model: the logits of a
     prefix from the engine's own products. With int8 activations that is the target, not the
-    float32 model its blocks decode to (tests/test_blocks.py proves the products' law)."""
+    float32 model its blocks decode to (tests/cpu/test_blocks.py proves the products' law)."""
 
     def __init__(self, engine) -> None:
         self.target = engine.target

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.threads import cgroup_cpu_limit, usable_cpus
+from engine.cpu.threads import cgroup_cpu_limit, usable_cpus
 from server.settings import DEFAULT_DRAFT, ServeSettings
 from tests.conftest import REPO, free_port, start_server, stop_server
 
@@ -113,7 +113,14 @@ def test_threads_flag_and_environment_reach_the_engine(tiny_model_dirs, tmp_path
     stop_server(server)
     assert "float32, 1 threads |" in server.log.read_text()
     affinity = subprocess.run(
-        ["taskset", "-c", "0", sys.executable, "-c", "from engine.threads import usable_cpus; print(usable_cpus())"],
+        [
+            "taskset",
+            "-c",
+            "0",
+            sys.executable,
+            "-c",
+            "from engine.cpu.threads import usable_cpus; print(usable_cpus())",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

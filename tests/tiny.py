@@ -20,13 +20,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from engine.blocks import FileTensors, offer_blocks
 from engine.config import EngineConfig
+from engine.cpu.blocks import FileTensors, offer_blocks
+from engine.cpu.int8_blocks import int8_weight
+from engine.cpu.matmul import BLOCKS, MatmulPlan
 from engine.drafters.medusa import MedusaHeads
 from engine.engine import SpecEngine
 from engine.factory import build_engine
-from engine.int8_blocks import int8_weight
-from engine.matmul import BLOCKS, MatmulPlan
 from engine.request import Request
 from engine.sampling import SamplingParams
 
@@ -153,12 +153,12 @@ DRAFTER_SETUPS: dict[str, tuple[bool, dict]] = {
 # confidence cutoff decided on the device with every draft step run, as when the host must not wait.
 DEVICE_PATH_SETUPS: dict[str, tuple[bool, dict]] = {
     "model-compiled": (True, {"drafter": "model", "forward": "compile", "compile_backend": "aot_eager"}),
-    # the pointwise kernels between products compiled, as under CUDA graphs (engine/kernels.py)
+    # the pointwise kernels between products compiled, as under CUDA graphs (engine/model/kernels.py)
     "model-compiled-kernels": (True, {"drafter": "model", "kernels": "compiled", "compile_backend": "aot_eager"}),
     "model-cutoff-on-device": (True, {"drafter": "model", "min_draft_confidence": 0.3}),
     # the head's features written by the compiled forward (the static path a GPU captures)
     "eagle3-compiled": (False, {"drafter": "eagle3", "forward": "compile", "compile_backend": "aot_eager"}),
-    # the target's products through GGUF blocks (engine/blocks.py): setup_engine quantizes it in place
+    # the target's products through GGUF blocks (engine/cpu/blocks.py): setup_engine quantizes it in place
     "model-blocks": (True, {"drafter": "model"}),
 }
 
@@ -250,7 +250,7 @@ def random_eagle3_head(
     }
     folder = scratch_folder("eagle3-")
     if layout == "eagle":
-        from engine.eagle3_head import save_head
+        from engine.drafters.eagle3_head import save_head
 
         save_head(weights, {**head_config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}, folder)
     else:  # speculators: the layer's config nested, its weights under layers.0

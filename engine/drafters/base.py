@@ -12,10 +12,10 @@ from ..spec import sample_one
 
 if TYPE_CHECKING:
     from ..config import EngineConfig  # noqa: F401
-    from ..eagle3_head import Eagle3Head
-    from ..model import CausalLM
+    from ..model.model import CausalLM
     from ..outputs import OutputCache
     from ..sampling import RequestSampler
+    from .eagle3_head import Eagle3Head
 
 
 @dataclass(frozen=True, slots=True)

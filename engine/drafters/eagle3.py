@@ -13,7 +13,7 @@ rejection sampler keeps the output the target's at every temperature.
 The head keeps its own KV cache: entries for committed positions, computed from the target's
 features, stay; entries for drafted positions (computed from the head's own output) go at every
 ``accept``. Checkpoints in the EAGLE repository's and SpecForge's layout (``midlayer.*``) and in the
-``speculators`` layout (``layers.0.*``) load alike (``engine/eagle3_head.py``).
+``speculators`` layout (``layers.0.*``) load alike (``engine/drafters/eagle3_head.py``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..eagle3_head import Eagle3Head, load_head, shipped_head
 from ..errors import ConfigError
-from ..loader import EMBEDDED_NAME
-from ..model import CausalLM
+from ..model.loader import EMBEDDED_NAME
+from ..model.model import CausalLM
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, OwnCosts, Proposal, sample_chain
+from .eagle3_head import Eagle3Head, load_head, shipped_head
 from .registry import register
 
 log = logging.getLogger(__name__)

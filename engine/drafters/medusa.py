@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import ConfigError
-from ..model import CausalLM, upload
+from ..model.model import CausalLM, upload
 from ..sampling import RequestSampler
 from ..spec import sample_one
 from .base import Drafter, DraftResources, Proposal

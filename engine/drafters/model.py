@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError
-from ..model import CausalLM, upload
+from ..model.model import CausalLM, upload
 from ..sampling import RequestSampler
 from ..spec import rejection_sample
 from .base import Drafter, DraftResources, Proposal, sample_chain

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import upload
+from ..model.model import upload
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal
 from .registry import register

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from ..model import CausalLM
+from ..model.model import CausalLM
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal, sample_chain
 from .registry import register

