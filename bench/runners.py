@@ -268,6 +268,7 @@ class ServerRunner:
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
             "temperature": self.temperature,
+            "repetition_penalty": 1.0,  # plain decoding, whatever the model's defaults: greedy is checked against HF's
             "stream": True,
             "stream_options": {"include_usage": True},
             "user": user,

@@ -1,12 +1,15 @@
-"""Engine configuration: what to load and how to speculate."""
+"""Engine configuration: what to load and how to speculate. Importing it loads no torch (the CLI
+reads it to refuse a bad setting or a busy port in a moment); the properties that need torch import it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 FORWARD_MODES = ("auto", "eager", "cuda-graphs", "compile")
 KERNEL_MODES = ("auto", "eager", "compiled")  # the pointwise work between products (engine/model/kernels.py)
@@ -19,7 +22,7 @@ ACTIVATIONS = ("float32", "int8")
 NO_DRAFTER = "none"  # as a drafter's name: the target alone (a request's, or the engine's default)
 DRAFT_KV = ("auto", "own", "target")
 COPY_PREFIX = "copy:"  # draft ref "copy:bfloat16" = the target's weights in another dtype
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # by torch's names (torch_dtype_of)
 # "copy:int8": the target's weights as int8 rows with a scale each, bfloat16 activations (CPU);
 # "copy:auto": bfloat16 or int8, whichever start-up measures faster here (engine/measure.py)
 COPY_INT8 = "int8"
@@ -137,6 +140,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -144,8 +149,15 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+            return torch_dtype_of("bfloat16" if self.torch_device.type == "cuda" else "float32")
+        return torch_dtype_of(self.dtype)
+
+
+def torch_dtype_of(name: str) -> torch.dtype:
+    """torch's dtype of one of DTYPES' names."""
+    import torch
+
+    return getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 
 TOOLS_IGNORED = "this model's chat template leaves tools out of the prompt: the model does not see them"
+TOOL_CALLS_IGNORED = (
+    "this model's chat template leaves assistant tool_calls out of the prompt: the model does not see the calls"
+)
 
 
 class ChatServing:
@@ -39,28 +42,30 @@ class ChatServing:
     def __init__(self, core: ServingCore) -> None:
         self.core = core
         self._grammars: GrammarCompiler | None = None  # built on first use: it indexes the whole vocabulary
-        self._warned_tools = False  # the tools warning goes to the log once per server
+        self._logged: set[str] = set()  # each template warning goes to the log once per server
 
     def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None) -> tuple[list[int], list[str]]:
         """The prompt's token ids, and warnings for the client (tools the chat template leaves out)."""
         if not self.core.tokenizer.chat_template:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
         messages = [message.template_dict() for message in body.messages]
+        without_calls = [{k: v for k, v in message.items() if k != "tool_calls"} for message in messages]
+        render = self.core.tokenizer.apply_chat_template
         try:
-            text = self.core.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
-            )
-            without_tools = tools and self.core.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            text = render(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            # what the template drops renders the same without it: the client is told
+            dropped = {
+                TOOLS_IGNORED: tools and text == render(messages, add_generation_prompt=True, tokenize=False),
+                TOOL_CALLS_IGNORED: without_calls != messages
+                and text == render(without_calls, tools=tools, add_generation_prompt=True, tokenize=False),
+            }
         except Exception as exc:  # templates raise their own errors (e.g. roles out of order)
             raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from exc
-        warnings = []
-        if tools and text == without_tools:
-            warnings.append(TOOLS_IGNORED)
-            if not self._warned_tools:
-                self._warned_tools = True
-                log.warning("%s (logged once)", TOOLS_IGNORED)
+        warnings = [warning for warning, found in dropped.items() if found]
+        for warning in warnings:
+            if warning not in self._logged:
+                self._logged.add(warning)
+                log.warning("%s (logged once)", warning)
         return self.core.tokenizer(text, add_special_tokens=False).input_ids, warnings
 
     def prepare_chat(self, body: ChatCompletionRequest) -> list[Choice]:
@@ -74,9 +79,9 @@ class ChatServing:
         max_tokens = requested or min(self.core.defaults.get("max_tokens", room), room)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.core.sampling_params(body, max_tokens, logprobs)
-        # the 400 names the field the client used
-        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if requested else "messages"
-        self.core.check_fits(prompt_ids, params.max_tokens, param)
+        # where only the length does not fit, the 400 names the length field the client used
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        self.core.check_fits(prompt_ids, params.max_tokens, param, "messages")
         choices = self.core.choices(body, [prompt_ids], params, [""])
         if tools.forced_schema is not None:
             grammar = self._grammar(ResponseFormat(type="json_schema", json_schema={"schema": tools.forced_schema}))

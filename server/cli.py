@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub; mod
 os.environ.setdefault("TQDM_DISABLE", "1")  # no library's bars; specserve's loading bar turns itself on
 set_wait_policy()
 
-from engine.config import ConfigError, Eagle3Training  # noqa: E402  (imports torch)
+from engine.config import ConfigError, Eagle3Training  # noqa: E402  (loads no torch)
 
 from .logs import configure_logging  # noqa: E402
 from .settings import ServeSettings, add_arguments  # noqa: E402
@@ -45,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
     chat.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"), help="key, if the server wants one")
     chat.add_argument("--system", default=None, help="a system prompt")
-    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default %(default)s)")
-    chat.add_argument("--max-tokens", type=int, default=512, help="longest reply (default %(default)s)")
+    chat.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    chat.add_argument("--max-tokens", type=int, default=None, help="longest reply (default: the server's)")
     chat.add_argument("--drafter", default=None, help="ask for this drafter (default: the server's)")
     medusa = commands.add_parser("train-medusa", help="train Medusa heads for a target on CPU", allow_abbrev=False)
     medusa.add_argument("--target", default=None, help="model ref (default: the embedded SmolLM2)")
@@ -131,9 +131,14 @@ def calibrate_self_command(args: dict) -> None:
 def chat_command(args: dict) -> None:
     from .chat_client import chat
 
-    raise SystemExit(
-        chat(args["url"], args["api_key"], args["system"], args["temperature"], args["max_tokens"], args["drafter"])
-    )
+    try:
+        code = chat(
+            args["url"], args["api_key"], args["system"], args["temperature"], args["max_tokens"], args["drafter"]
+        )
+    except KeyboardInterrupt:  # before the first prompt (connecting): leave quietly, as a shell does
+        print(file=sys.stderr)
+        code = 130
+    raise SystemExit(code)
 
 
 def check_port(host: str, port: int) -> list[str]:
@@ -152,11 +157,16 @@ def check_port(host: str, port: int) -> list[str]:
 
 
 def serve(settings: ServeSettings, config_file: str | None = None) -> None:
+    config = settings.engine_config()
+    # A busy port is refused before torch loads (this module's imports load none): in a moment,
+    # not after the tens of seconds torch takes on a loaded host.
+    if problems := check_port(settings.host, settings.port):
+        raise ConfigError("\n".join(problems))
+
     from engine.preflight import preflight
 
-    config = settings.engine_config()
     # before any weights load, and before the server's imports: a line each
-    problems = check_port(settings.host, settings.port) + preflight(config)
+    problems = preflight(config)
     if problems:
         if config_file is not None and settings.needs:
             problems.append(f"{config_file} needs {settings.needs}")

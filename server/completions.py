@@ -46,7 +46,7 @@ class CompletionsServing:
         if body.echo and body.logprobs is not None:
             params = replace(params, prompt_logprobs=body.logprobs)
         for prompt_ids in prompts:
-            self.core.check_fits(prompt_ids, params.max_tokens, "max_tokens")
+            self.core.check_fits(prompt_ids, params.max_tokens, "max_tokens", "prompt")
         echoes = [self._echo(body, i, ids) for i, ids in enumerate(prompts)]
         return self.core.choices(body, prompts, params, echoes)
 

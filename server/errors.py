@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import typing
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -82,6 +83,18 @@ def _validation_param(location: tuple) -> str | None:
     return ".".join(fields) or None
 
 
+def _not_an_object(request: Request) -> BadRequest:
+    """A body that is missing or not a JSON object, named by the fields the route's model requires."""
+    endpoint = request.scope.get("endpoint")
+    model = typing.get_type_hints(endpoint).get("body") if endpoint is not None else None
+    fields = getattr(model, "model_fields", {})
+    required = [name for name, info in fields.items() if info.is_required()]
+    if not required:
+        return BadRequest("the request body must be a JSON object")
+    model = " (and model: the served model's id)" if "model" in fields and "model" not in required else ""
+    return BadRequest(f"the request body must be a JSON object with {' and '.join(required)}{model}", required[0])
+
+
 def error_response(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
@@ -92,10 +105,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
         if first.get("type") == "json_invalid":
             return error_response(BadRequest("the request body is not valid JSON", code="invalid_json"))
+        if tuple(first.get("loc", ())) == ("body",):  # no body, or not an object: say what it needs
+            return error_response(_not_an_object(request))
         param = _validation_param(tuple(first.get("loc", ())))
         message = first.get("msg", "invalid request")
         return error_response(BadRequest(f"{param}: {message}" if param else message, param=param))

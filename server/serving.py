@@ -128,11 +128,14 @@ class ServingCore:
             )
         return options
 
-    def check_fits(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+    def check_fits(self, prompt_ids: list[int], max_tokens: int, length_param: str, prompt_param: str) -> None:
+        """A 400 naming the field to change: the prompt's (``messages``, ``prompt``) where the prompt
+        leaves no room for one new token, else the length field the client used."""
         try:
             self.description.check_fits(len(prompt_ids), max_tokens)
         except PromptTooLong as exc:
-            raise BadRequest(str(exc), param, code="context_length_exceeded") from exc
+            fits = 0 < len(prompt_ids) < self.description.max_model_len
+            raise BadRequest(str(exc), length_param if fits else prompt_param, code="context_length_exceeded") from exc
 
     def choices(
         self, body: _Request, prompts: list[list[int]], params: SamplingParams, echoes: list[str]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -133,7 +133,7 @@ class ServeSettings(BaseSettings):
         default="auto",
         description="auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "
         "(chat) its length unset gets the model's generation config's value, as in vLLM (the embedded "
-        "model: temperature 0.2, top_p 0.9, 512 tokens); none: OpenAI's defaults (temperature 1, chat to "
+        "model: temperature 0.1, top_p 0.9, repetition_penalty 1.1, 512 tokens); none: OpenAI's defaults (temperature 1, chat to "
         "the end of the context)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -156,6 +156,16 @@ class ServeSettings(BaseSettings):
     max_request_bytes: int = production(4 * 2**20, "largest request body accepted", ge=1024)
     cors_allow_origins: str | None = production(None, "comma-separated origins allowed by CORS (default: CORS off)")
     shutdown_timeout: float = production(10.0, "on SIGTERM, seconds to let requests finish", ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_default(cls, values: Any) -> Any:
+        """An empty value means the setting's default, from every source alike: compose passes
+        ``SPECSERVE_TARGET=`` as an empty string where .env leaves it blank, and that is the
+        embedded model, as no target at all is."""
+        if isinstance(values, dict):
+            return {name: value for name, value in values.items() if not (isinstance(value, str) and not value.strip())}
+        return values
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.tiny import byte_tokenizer, perturbed_copy, tiny_llama
 
@@ -130,3 +132,24 @@ def server(tiny_model_dirs, tmp_path_factory) -> Iterator[Server]:
     )
     yield running
     stop_server(running)
+
+
+def compose_environment(service: str, dotenv: Path = REPO / ".env.example") -> dict[str, str]:
+    """The variables ``docker compose`` gives ``service`` of docker-compose.yml, with ``dotenv``
+    as the .env file beside it: the service's environment (anchors merged by the YAML loader),
+    each ``${NAME:-default}`` read as compose reads it (the default where NAME is unset or empty)."""
+    values = {}
+    for line in dotenv.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, value = line.partition("=")
+            values[name.strip()] = value.strip()
+
+    def resolve(text: str) -> str:
+        def one(match: re.Match) -> str:
+            name, default = match.group(1), match.group(3) or ""
+            return values.get(name) or default if match.group(2) else values.get(name, "")
+
+        return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", one, text)
+
+    environment = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"][service]["environment"]
+    return {name: resolve(str(value)) for name, value in environment.items()}

@@ -9,6 +9,7 @@ In-process tests set the hook themselves. A server process under test runs throu
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 
 import torch
@@ -33,10 +34,17 @@ def _kill(logits: torch.Tensor) -> torch.Tensor:
     raise EngineKilled("injected engine death")
 
 
+def _stall(logits: torch.Tensor) -> torch.Tensor:
+    time.sleep(STALL_SECONDS)  # a slow step: the reply is still streaming when a client acts on it
+    return logits
+
+
+STALL_SECONDS = 3.0
 FAULTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "raise": _raise,
     "nan": lambda logits: torch.full_like(logits, float("nan")),
     "kill": _kill,
+    "stall": _stall,
 }
 MARKER = re.compile(r"<<fault (\w+) at (\d+)>>")
 

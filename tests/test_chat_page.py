@@ -103,6 +103,24 @@ def test_a_bad_parameter_shows_a_clear_error(page):
     assert len(_last_reply(page).inner_text()) > 0
 
 
+def test_a_reply_cut_at_its_limit_says_so_and_unset_fields_are_the_servers(page):
+    bodies = []
+    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "3")
+    _send(page, "Cut me short")
+    reply = _last_reply(page)
+    assert reply.get_attribute("data-finish") == "length"
+    assert reply.locator(".cut").inner_text() == "cut at the length limit (Max tokens sets it)"
+    assert bodies[-1]["temperature"] == 0 and bodies[-1]["max_tokens"] == 3
+    page.fill("#temperature", "")  # as the page first shows them: the server's defaults
+    page.fill("#max-tokens", "")
+    _send(page, "Now as the server likes")
+    reply = _last_reply(page)
+    assert "temperature" not in bodies[-1] and "max_tokens" not in bodies[-1]
+    assert (reply.get_attribute("data-finish") == "length") == (reply.locator(".cut").count() == 1)
+
+
 def test_the_page_asks_for_nothing_that_is_missing(server, page):
     """No request of the page's gets a 404: its icon is inline, so there is no /favicon.ico to miss."""
     missing = []

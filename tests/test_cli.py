@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import pty
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -11,6 +16,7 @@ import pytest
 from engine.config import ConfigError
 from server.settings import DEFAULT_DRAFT, ServeSettings
 from tests.conftest import REPO, free_port
+from tests.faults import fault_marker
 from tests.tiny import byte_tokenizer, save_tiny
 
 
@@ -105,6 +111,43 @@ def test_the_terminal_chat_client_streams_replies_and_stats(server):
     stats = [line for line in result.stdout.splitlines() if line.startswith("[12 tokens")]
     assert len(stats) == 2 and "accepted" in stats[0]
     assert "HTTP Request" not in result.stdout + result.stderr  # only the conversation and its stats
+
+
+def _read_until(fd: int, wanted: bytes, timeout: float = 60) -> str:
+    """What a terminal shows until ``wanted`` appears (or ``timeout``, or the other side closes)."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while wanted not in seen and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                seen += os.read(fd, 4096)
+            except OSError:  # the program ended
+                break
+    return seen.decode(errors="replace")
+
+
+def test_ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat_without_a_traceback(server):
+    """In a terminal: a prompt marker, Ctrl-C (SIGINT) while a reply streams stops that reply and
+    keeps the chat; Ctrl-C at the prompt ends it, exit 0, and neither prints a traceback."""
+    terminal, child = pty.openpty()
+    command = [sys.executable, "-m", "server.cli", "chat", "--url", server.url, "--temperature", "0"]
+    chat = subprocess.Popen(command, stdin=child, stdout=child, stderr=child)
+    os.close(child)
+    try:
+        shown = _read_until(terminal, b"> ")
+        os.write(terminal, f"tell me more {fault_marker('stall', 2)}\n".encode())  # its step 2 takes 3 s
+        time.sleep(1.5)
+        chat.send_signal(signal.SIGINT)
+        shown += _read_until(terminal, b"[stopped]")
+        assert "[stopped]" in shown
+        shown += _read_until(terminal, b"> ")
+        chat.send_signal(signal.SIGINT)
+        assert chat.wait(timeout=20) == 0
+        shown += _read_until(terminal, b"never shown", timeout=1)
+        assert "Traceback" not in shown and "KeyboardInterrupt" not in shown, shown
+        assert shown.count("> ") >= 2  # the prompt marker, again after the stopped reply
+    finally:
+        chat.kill()
+        os.close(terminal)
 
 
 def test_the_chat_client_reports_an_unreachable_server():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -10,7 +11,7 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-from tests.conftest import REPO, start_server, stop_server
+from tests.conftest import REPO, compose_environment, start_server, stop_server
 from tests.faults import fault_marker
 
 pytestmark = pytest.mark.slow
@@ -18,9 +19,22 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    server = start_server(["--max-model-len", "1024"], tmp_path_factory.mktemp("default") / "server.log")
+    """The server as ``docker compose --profile cpu up`` starts it with .env.example as it ships
+    (every model setting empty: the embedded default), on a free loopback port."""
+    server = start_server(
+        [], tmp_path_factory.mktemp("default") / "server.log", env=compose_environment("specserve-cpu")
+    )
     yield server
     stop_server(server)
+
+
+def test_the_compose_cpu_environment_is_the_clis_defaults(default_server):
+    """Empty settings mean the defaults (an empty SPECSERVE_TARGET crash-looped the CPU service)."""
+    environment = compose_environment("specserve-cpu")
+    assert environment["SPECSERVE_TARGET"] == "" and environment["SPECSERVE_DEVICE"] == "cpu"
+    assert environment["SPECSERVE_DRAFTER"] == "" and environment["SPECSERVE_DRAFT"] == ""
+    card = httpx.get(f"{default_server.v1}/models", timeout=10).json()["data"][0]
+    assert card["id"] == "SmolLM2-135M-Instruct" and card["default_drafter"] == "auto"
 
 
 def test_health_is_503_while_the_model_loads(default_server):
@@ -71,9 +85,13 @@ def test_every_drafter_serves_the_default_model_with_greedy_output_unchanged(def
     client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": f"Repeat this passage exactly:\n\n{PASSAGE}"}]
 
-    def ask(speculative):
+    def ask(speculative):  # a copy task: without the default repetition penalty, which works against copying
         return client.chat.completions.create(
-            model="", messages=messages, max_tokens=40, temperature=0, extra_body={"speculative": speculative}
+            model="",
+            messages=messages,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"speculative": speculative, "repetition_penalty": 1.0},
         )
 
     card = httpx.get(f"{default_server.v1}/models").json()["data"][0]
@@ -145,10 +163,13 @@ def test_readme_curl_examples_run(default_server):
 
 
 def test_a_request_that_sets_nothing_gets_the_models_defaults_and_ends(default_server):
-    """No temperature, no length: the embedded model's defaults (temperature 0.2, top_p 0.9, 512
+    """No temperature, no length: the embedded model's defaults (temperature 0.1, top_p 0.9, repetition 1.1, 512
     tokens), which the start-up line names, instead of temperature 1 to the end of the context."""
     log = default_server.log.read_text()
-    assert "request defaults from the model's generation config: temperature 0.2, top_p 0.9, max_tokens 512" in log
+    assert (
+        "request defaults from the model's generation config: temperature 0.1, top_p 0.9, repetition_penalty 1.1, max_tokens 512"
+        in log
+    )
     client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
     reply = client.chat.completions.create(model="", messages=messages)
@@ -168,6 +189,46 @@ def test_tools_the_template_leaves_out_are_reported(default_server):
     assert "leaves tools out" in chunks[0].model_extra["warnings"][0]
     assert all(chunk.model_extra.get("warnings") is None for chunk in chunks[1:])
     assert default_server.log.read_text().count("leaves tools out") == 1  # logged once
+
+
+def test_tool_calls_the_template_leaves_out_are_reported(default_server):
+    """SmolLM2's template renders an assistant turn's tool_calls as an empty turn: the client is told."""
+    client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=120)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    reply = client.chat.completions.create(model="", messages=messages, max_tokens=2)
+    assert any("leaves assistant tool_calls out" in warning for warning in reply.model_extra["warnings"])
+    plain = client.chat.completions.create(model="", messages=messages[:1], max_tokens=2)
+    assert plain.model_extra.get("warnings") is None
+
+
+def test_the_readmes_first_request_answers_briefly_at_the_defaults(default_server):
+    """Verbatim but not streamed, ten sends: the embedded model's defaults (docs/api.md#defaults) give
+    a short right answer that ends by itself (at its model card's defaults it rambled half the time)."""
+    block = next(block for block in readme_blocks("bash") if block.startswith("curl"))
+    body = json.loads(block.split("-d '", 1)[1].rsplit("'", 1)[0])
+    assert body["messages"][0]["content"] == "What is the capital of France?" and set(body) == {
+        "model",
+        "messages",
+        "stream",
+        "stream_options",
+    }
+    body = {**body, "stream": False}
+    del body["stream_options"]
+    good = []
+    for _ in range(10):
+        reply = httpx.post(f"{default_server.v1}/chat/completions", json=body, timeout=120).json()
+        choice = reply["choices"][0]
+        good.append(
+            "Paris" in choice["message"]["content"]
+            and choice["finish_reason"] == "stop"
+            and reply["usage"]["completion_tokens"] <= 64
+        )
+    assert sum(good) >= 9, good
 
 
 def test_the_log_has_plain_lines_and_load_times(default_server):

@@ -227,6 +227,26 @@ def test_a_context_length_error_names_the_field_the_client_sent(server, field):
     assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == field
 
 
+@pytest.mark.parametrize("path,field", [("chat/completions", "messages"), ("completions", "prompt")])
+def test_a_prompt_that_leaves_no_room_is_named_whatever_length_was_asked(server, path, field):
+    prompt = {"messages": [{"role": "user", "content": "y" * 400}]} if field == "messages" else {"prompt": "y" * 400}
+    for length in ({}, {"max_tokens": 5}):
+        response = httpx.post(f"{server.v1}/{path}", json={**prompt, **length}, timeout=30)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == field
+    fits = httpx.post(f"{server.v1}/completions", json={"prompt": "short", "max_tokens": 100_000}, timeout=30)
+    assert fits.json()["error"]["param"] == "max_tokens"  # the prompt fits: the length is what to change
+
+
+@pytest.mark.parametrize("path,field", [("chat/completions", "messages"), ("completions", "prompt")])
+@pytest.mark.parametrize("content", [b"", b"[1, 2]", b'"hello"', b"null"])
+def test_a_body_that_is_no_object_says_what_it_needs(server, path, field, content):
+    response = httpx.post(f"{server.v1}/{path}", content=content, headers={"content-type": "application/json"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field
+    assert error["message"] == f"the request body must be a JSON object with {field} (and model: the served model's id)"
+
+
 def test_acceptance_rate_is_null_when_nothing_was_drafted(client):
     body = {"speculative": {"drafter": "none"}, "ignore_eos": True}
     alone = client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0, extra_body=body)

@@ -91,3 +91,17 @@ def test_the_engine_and_the_server_share_their_defaults():
     engine_settings = {name for name, info in FIELDS.items() if (info.json_schema_extra or {}).get("engine")}
     assert engine_settings <= set(ENGINE_DEFAULTS)
     assert ServeSettings().drafter == EngineConfig().drafter == "auto"
+
+
+def test_an_empty_value_is_the_settings_default_from_every_source(monkeypatch, tmp_path):
+    """compose passes SPECSERVE_TARGET= where .env leaves it blank: that is the embedded model, as
+    no target at all is (it was read as the working directory, and the CPU service crash-looped)."""
+    for name in ("TARGET", "DRAFT", "DRAFTER", "NUM_DRAFT_TOKENS", "API_KEY", "PORT"):
+        monkeypatch.setenv(f"SPECSERVE_{name}", "")
+    from_env = ServeSettings.load(None, {})
+    assert from_env == ServeSettings()
+    assert from_env.target is None and from_env.drafter == "auto" and from_env.api_key == []
+    assert from_env.engine_config().target is None and from_env.resolved_draft == "copy:auto"
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("target: ''\ndrafter: ' '\n")
+    assert ServeSettings.load(str(preset), {"draft": ""}) == ServeSettings()

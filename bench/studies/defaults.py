@@ -1,0 +1,114 @@
+"""Study: which request defaults give the embedded model short, right answers that end by themselves? Answer: docs/api.md#defaults.
+
+Samples the embedded target alone (the output law every drafter keeps) over the README's first
+question and a few plain ones, for candidate defaults (temperature, top_p, a mild repetition penalty
+as llama.cpp and Ollama apply, a length cap), each sample seeded so the run repeats. An answer counts
+as good when it names the expected word and ends by itself (end of sequence) within 64 tokens.
+
+    .venv/bin/python bench/studies/defaults.py [--samples 20]    # writes bench/results/defaults.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for bench.host
+from bench.host import host  # noqa: E402
+from bench.runners import chat_ids  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.factory import load_engine  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+QUESTIONS = [  # (question, a word a right answer names)
+    ("What is the capital of France?", "paris"),
+    ("What is the capital of Japan?", "tokyo"),
+    ("How many legs does a spider have?", "eight|8"),
+    ("Who wrote Romeo and Juliet?", "shakespeare"),
+    ("What is the largest planet in the solar system?", "jupiter"),
+    ("What colour is the sky on a clear day?", "blue"),
+    # a copy from the prompt, which a repetition penalty (prompt tokens included, as in transformers) works against
+    (
+        "Repeat this sentence exactly: The old lighthouse keeper climbed the stairs every night.",
+        "climbed the stairs every night",
+    ),
+]
+CANDIDATES = {  # name: sampling fields
+    "model card (t 0.2, top_p 0.9)": {"temperature": 0.2, "top_p": 0.9},
+    "t 0.2, top_p 0.9, repetition 1.05": {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05},
+    "t 0.1, top_p 0.9": {"temperature": 0.1, "top_p": 0.9},
+    "t 0.1, top_p 0.9, repetition 1.05": {"temperature": 0.1, "top_p": 0.9, "repetition_penalty": 1.05},
+    "t 0.1, top_p 0.9, repetition 1.1": {"temperature": 0.1, "top_p": 0.9, "repetition_penalty": 1.1},
+    "greedy": {"temperature": 0.0},
+    "greedy, repetition 1.1": {"temperature": 0.0, "repetition_penalty": 1.1},
+}
+WITHIN = 64  # tokens an answer must end within
+CAP = 256  # how far a sample may run, to see how long the ramblers go
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=20, help="seeded samples per question and candidate")
+    args = parser.parse_args()
+    loaded = load_engine(EngineConfig(drafter="none", draft=None, max_model_len=2048), show_progress=False)
+    engine, tokenizer = loaded.engine, loaded.tokenizer
+    rows, started = {}, time.time()
+    for name, fields in CANDIDATES.items():
+        per_question = {}
+        for question, expected in QUESTIONS:
+            prompt = chat_ids(tokenizer, [{"role": "user", "content": question}])
+            counts = {"good": 0, "right": 0, "ended": 0, "ended_within_cap": 0, "tokens": []}
+            samples = 1 if fields["temperature"] == 0 else args.samples
+            for seed in range(samples):
+                params = SamplingParams(max_tokens=CAP, seed=seed, **fields)
+                ids, finish = [], None
+                for out in engine.generate(Request(f"{name}-{seed}", prompt, params)):
+                    ids += out.token_ids
+                    finish = out.finish_reason or finish
+                text = tokenizer.decode(ids, skip_special_tokens=True).lower()
+                right = any(word in text for word in expected.split("|"))
+                ended = finish == "stop" and len(ids) <= WITHIN
+                counts["right"] += right
+                counts["ended"] += ended
+                counts["ended_within_cap"] += finish == "stop"
+                counts["good"] += right and ended
+                counts["tokens"].append(len(ids))
+            counts["samples"] = samples
+            counts["example"] = text[:160]
+            per_question[question] = counts
+        total = sum(q["samples"] for q in per_question.values())
+        good = sum(q["good"] for q in per_question.values())
+        readme = per_question[QUESTIONS[0][0]]
+        shares = {
+            key: round(sum(q[key] for q in per_question.values()) / total, 3)
+            for key in ("right", "ended", "ended_within_cap")
+        }
+        rows[name] = {
+            "fields": fields,
+            "good_share": round(good / total, 3),
+            **{f"{key}_share": value for key, value in shares.items()},
+            "readme_good_share": round(readme["good"] / readme["samples"], 3),
+            "questions": per_question,
+        }
+        print(f"{name}: good {good}/{total}, README question {readme['good']}/{readme['samples']}", flush=True)
+        RESULTS.mkdir(exist_ok=True)  # written after each candidate: a stopped run keeps what it measured
+        report = {
+            "host": host(),
+            "samples": args.samples,
+            "within_tokens": WITHIN,
+            "cap": CAP,
+            "seconds": round(time.time() - started),
+            "candidates": rows,
+        }
+        (RESULTS / "defaults.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
