@@ -137,8 +137,8 @@ BAD_REQUESTS = [
     ("/completions", {"model": "tiny"}, "prompt"),
     ("/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("/completions", {"prompt": "x", "temperature": 5}, "temperature"),
-    ("/completions", {"prompt": "x" * 300}, "max_tokens"),
-    ("/completions", {"prompt": "x" * 300, "stream": True}, "max_tokens"),
+    ("/completions", {"prompt": "x" * 300}, "prompt"),  # the prompt alone leaves no room: it is what to change
+    ("/completions", {"prompt": "x" * 300, "stream": True}, "prompt"),
     ("/completions", {"prompt": [99999]}, "prompt"),
     ("/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
