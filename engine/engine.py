@@ -21,7 +21,7 @@ from .model.model import CausalLM
 from .outputs import OutputCache
 from .request import EngineDescription, Request, StepOutput, TokenLogprob, check_fits
 from .sampling import RequestSampler
-from .spec import greedy_verdict, rejection_sample
+from .spec import greedy_verdict, keyed_tokens, rejection_sample
 from .stats import DrafterSpeeds, SpecStats, StepRecord
 
 log = logging.getLogger(__name__)
@@ -215,20 +215,10 @@ class SpecEngine:
         if name == NO_DRAFTER:  # the request asks for the target alone
             name = None
         drafter = self.drafter(name, request.stages) if name is not None else None
-        if (
-            drafter is not None
-            and drafter.seeded_choice
-            and request.drafter is None
-            and request.params.seed is not None
-        ):
-            name = drafter.seeded_choice  # a seeded request must repeat: no timing-driven choices
-            drafter = self.drafter(name)
         if drafter is not None:
             drafter.begin(prompt, request.tenant)
         policy = None
-        adaptive_k = request.adaptive_k
-        if adaptive_k is None:  # k decides how many random draws a step takes: a seed needs a fixed k to repeat
-            adaptive_k = self.config.adaptive_k and request.params.seed is None
+        adaptive_k = self.config.adaptive_k if request.adaptive_k is None else request.adaptive_k
         if drafter is not None and adaptive_k:
             policy = AdaptiveK(self._costs.setdefault(name, StepCosts()))  # acceptance starts from the prior
         seed = request.params.seed
@@ -291,10 +281,17 @@ class SpecEngine:
         # cheaper on CPU than isfinite().all(); not a sum, which overflows over 49k float16 logits.
         finite = torch.isfinite(torch.stack(torch.aminmax(logits))).all()  # []
         # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token
-        # (at temperature 0, p is one-hot: the same verdict from the target's tokens alone).
+        # (at temperature 0, p is one-hot: the same verdict from the target's tokens alone). A seeded
+        # request keeps the drafts that equal the target's own draws, each at its position's keyed
+        # uniform: its text is the target alone's for that seed, whatever was drafted.
         if sampler.params.greedy:
             target_tokens = sampler.greedy_tokens(logits, proposal.token_ids)  # [k+1]
             verdict = greedy_verdict(proposal.token_ids, target_tokens, finite, proposal.num_proposed)
+        elif sampler.params.seed is not None:
+            p = sampler.probs(logits, proposal.token_ids)  # [k+1, V]
+            usable = finite & (p.sum(-1) > 0).all()  # [] no NaN or inf, and mass in every row
+            target_tokens = keyed_tokens(p, sampler.params.seed, sampler.num_output)  # [k+1]
+            verdict = greedy_verdict(proposal.token_ids, target_tokens, usable, proposal.num_proposed)
         else:
             p = torch.where(finite, sampler.probs(logits, proposal.token_ids), torch.nan)  # [k+1, V]
             verdict = rejection_sample(proposal.token_ids, proposal.probs, p, sampler.generator, proposal.num_proposed)

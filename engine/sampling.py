@@ -107,6 +107,7 @@ class RequestSampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed % 2**64)
+        self.num_output = 0  # output tokens committed: the position the next token takes
         self._bias = None
         if params.logit_bias:
             self._bias = torch.zeros(vocab_size, device=device)  # [V]
@@ -122,6 +123,7 @@ class RequestSampler:
 
     def commit(self, token_ids: list[int]) -> None:
         """Record tokens that became part of the output."""
+        self.num_output += len(token_ids)
         if self.constraint is not None:
             self.constraint.commit(token_ids)
         if not self.params.uses_history or not token_ids:

@@ -109,14 +109,54 @@ def _verdict(
 
 
 def sample_one(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw [] from unnormalised non-negative ``weights`` [V], by inverting the cumulative sum
-    (about 20x cheaper than ``torch.multinomial`` over a 49k vocabulary on CPU). A zero-weight id
-    adds nothing to the sum, so it is never the first entry above the uniform draw; the last clamp
-    keeps a draw that rounds up to the total on the last id with weight. The sum runs in float64:
-    in float32, rounding over 49k partial sums could shift up to ~1e-7 of mass per id."""
-    cumulative = weights.double().cumsum(0)  # [V]
-    total = cumulative[-1:]  # [1]
-    draw = torch.rand(1, generator=generator, device=weights.device, dtype=torch.float64) * total  # [1]
-    index = torch.searchsorted(cumulative, draw, right=True)  # [1]
-    last = torch.searchsorted(cumulative, total).clamp_max(weights.shape[0] - 1)  # [1]; NaN weights: stay in range
-    return torch.minimum(index, last)[0]
+    """One draw [] from unnormalised non-negative ``weights`` [V] with a uniform from ``generator``."""
+    u = torch.rand(1, generator=generator, device=weights.device, dtype=torch.float64)  # [1]
+    return inverse_cdf(weights.unsqueeze(0), u)[0]
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's draw from unnormalised non-negative ``weights`` [R, V] at the uniform ``u`` [R] in
+    [0, 1): the first id whose cumulative weight passes u times the row's total (about 20x cheaper
+    than ``torch.multinomial`` over a 49k vocabulary on CPU). A zero-weight id adds nothing to the
+    sum, so it is never the first entry above the draw; the last clamp keeps a draw that rounds up
+    to the total on the last id with weight. The sum runs in float64: in float32, rounding over 49k
+    partial sums could shift up to ~1e-7 of mass per id. Returns [R] int64."""
+    cumulative = weights.double().cumsum(-1)  # [R, V]
+    total = cumulative[:, -1:]  # [R, 1]
+    index = torch.searchsorted(cumulative, u.unsqueeze(1) * total, right=True)  # [R, 1]
+    last = torch.searchsorted(cumulative, total).clamp_max(weights.shape[-1] - 1)  # [R, 1]; NaN weights: in range
+    return torch.minimum(index, last)[:, 0]
+
+
+# ---- seeded requests: randomness keyed by position ------------------------------------------------
+# A seeded request's token at output position t is the target's draw from p_t at the uniform
+# u(seed, t), whatever was drafted: a draft is kept exactly when it equals that draw. The output is
+# then the target alone's for that seed, and its law is the target's (a fresh uniform at each t).
+# u is a counter-based hash (splitmix64) computed on the device in int64 arithmetic, which wraps alike
+# on every device: no generator state to consume, no host-to-device copy.
+
+_GOLDEN, _MIX1, _MIX2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits as unsigned 64-bit integers (torch shifts int64 arithmetically)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def keyed_uniforms(seed: int, start: int, count: int, device: torch.device) -> torch.Tensor:
+    """u(seed, t) for t = start .. start + count - 1: [count] float64 in [0, 1), 53 random bits each."""
+    key = _splitmix(torch.full((), (seed + 2**63) % 2**64 - 2**63, dtype=torch.long, device=device))  # []
+    positions = torch.arange(start, start + count, dtype=torch.long, device=device)  # [count]
+    return _shift_right(_splitmix(key ^ positions), 11).double() * 2.0**-53
+
+
+def keyed_tokens(p: torch.Tensor, seed: int, start: int) -> torch.Tensor:
+    """The target's draws [R] from ``p`` [R, V], row i at output position ``start + i``."""
+    return inverse_cdf(p, keyed_uniforms(seed, start, p.shape[0], p.device))

@@ -237,7 +237,7 @@ def test_per_request_stages_are_checked_and_used(server, client):
     assert chained.usage.model_extra["speculative"]["drafter"] == "staged"
 
 
-# ---- 6. seeded requests repeat under adaptive k --------------------------------------------------------
+# ---- 6. seeded requests repeat under adaptive k ----------------------------------------------------------
 
 
 def test_seeded_requests_repeat_when_the_server_adapts_k():
@@ -247,9 +247,10 @@ def test_seeded_requests_repeat_when_the_server_adapts_k():
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=42)
     outputs = {tuple(tokens_of(engine.generate(Request(str(i), [1, 2, 3], params)))) for i in range(6)}
     assert len(outputs) == 1
-    # a request that asks for adaptive k itself still gets it (and is not promised to repeat)
+    # a fixed k, or adaptive k asked for by the request: the same text (draws keyed by position)
     asked = list(engine.generate(Request("a", [1, 2, 3], params, adaptive_k=True)))
-    assert len(tokens_of(asked)) == 24
+    fixed = list(engine.generate(Request("f", [1, 2, 3], params, adaptive_k=False, num_draft_tokens=2)))
+    assert {tuple(tokens_of(asked)), tuple(tokens_of(fixed))} == outputs
 
 
 # ---- 7. only ids the tokenizer can decode are sampled ----------------------------------------------------

@@ -112,11 +112,6 @@ class AutoDrafter(Drafter):
         self._request = _Request()
         self._choice: _Choice | None = None
 
-    @property
-    def seeded_choice(self) -> str:
-        """The candidate a seeded request runs instead: timing-driven choices would change its draws."""
-        return "model" if "model" in self.candidates else "suffix"
-
     def warm_up(self) -> None:
         """Price the candidates before the first request: the target's forward over k + 1 tokens for
         each k (best of two each, on a robust line: readings scatter by 10-15%, and a high one would

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from ..spec import sample_one
+from ..spec import keyed_tokens, sample_one
 
 if TYPE_CHECKING:
     from ..config import EngineConfig  # noqa: F401
@@ -64,9 +64,6 @@ class Drafter(Protocol):
     reads_target_cache: bool = False
     # It can check and extend another stage's proposal (``refine``): a later stage of a chain.
     can_refine: ClassVar[bool] = False
-    # The drafter a seeded request that names none runs instead, where this one's choices follow
-    # timings (which would change the request's random draws); None: this one.
-    seeded_choice: str | None = None
     # A model of its own it drafts with (an EAGLE-3 head), described for the start-up line and
     # /v1/models; None: none, or the shared draft model.
     own_model: str | None = None
@@ -107,6 +104,15 @@ class Drafter(Protocol):
         before the first request (step costs, say)."""
 
 
+def draw(q: torch.Tensor, sampler: RequestSampler, offset: int) -> torch.Tensor:
+    """A draft token [] from ``q`` [V] for the output position ``offset`` past the next one. For a
+    seeded request, the target's own draw there uses the same keyed uniform (``spec.keyed_tokens``),
+    so a draft close to the target lands on the same token (coupled); otherwise the generator's."""
+    if sampler.params.seed is None:
+        return sample_one(q, sampler.generator)
+    return keyed_tokens(q.unsqueeze(0), sampler.params.seed, sampler.num_output + offset)[0]
+
+
 def sample_chain(
     logits: torch.Tensor,
     advance: Callable[[torch.Tensor], torch.Tensor],
@@ -144,7 +150,7 @@ def sample_chain(
             if stops_early and not bool(confident):
                 break
             num_proposed = num_proposed + confident.long()
-        tokens.append(sample_one(q, sampler.generator))
+        tokens.append(draw(q, sampler, len(tokens)))
         rows.append(q)
         if len(tokens) < num_draft_tokens:
             logits = advance(tokens[-1].view(1))

@@ -21,8 +21,7 @@ from torch import nn
 from ..config import ConfigError
 from ..model.model import CausalLM, upload
 from ..sampling import RequestSampler
-from ..spec import sample_one
-from .base import Drafter, DraftResources, Proposal
+from .base import Drafter, DraftResources, Proposal, draw
 from .registry import register
 
 FORMAT = "specserve-medusa/1"
@@ -103,7 +102,7 @@ class MedusaDrafter(Drafter):
         for i in range(count):
             appended = upload(drafted, logits.device)
             q = sampler.probs(logits[i : i + 1], appended)  # [1, V]
-            drafted.append(int(sample_one(q[0], sampler.generator)))
+            drafted.append(int(draw(q[0], sampler, i)))
             rows.append(q[0])
         return Proposal(upload(drafted, logits.device), torch.stack(rows))
 
