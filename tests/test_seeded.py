@@ -44,8 +44,13 @@ def test_keyed_uniforms_are_fixed_by_seed_and_position_and_spread_evenly():
     assert float(first.min()) >= 0.0 and float(first.max()) < 1.0
     counts = torch.histc(first, bins=10, min=0.0, max=1.0)  # [10]
     assert float(counts.min()) > 330 and float(counts.max()) < 470  # uniform: 400 a bin
-    huge = keyed_uniforms(2**63 - 1, 2**40, 3, torch.device("cpu"))  # the extremes of a signed seed
-    assert torch.equal(huge, keyed_uniforms(-(2**63) - 1 + 2**64, 2**40, 3, torch.device("cpu")))
+    # a seed is 64 bits: a negative one and its unsigned form are one key; the extremes stay in [0, 1)
+    assert torch.equal(
+        keyed_uniforms(-1, 2**40, 3, torch.device("cpu")), keyed_uniforms(2**64 - 1, 2**40, 3, torch.device("cpu"))
+    )
+    for seed in (2**63 - 1, -(2**63)):
+        extreme = keyed_uniforms(seed, 2**40, 3, torch.device("cpu"))
+        assert float(extreme.min()) >= 0.0 and float(extreme.max()) < 1.0
 
 
 def test_inverse_cdf_is_sample_ones_draw_row_by_row():
