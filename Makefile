@@ -53,6 +53,7 @@ lint: install
 
 bench: install
 	$(BIN)/python bench/speed.py --update-readme $(ARGS)
+	$(BIN)/python bench/conversations.py
 
 bench-quick: install
 	$(BIN)/python bench/speed.py --quick --name quick $(ARGS)

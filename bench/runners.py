@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,13 +229,35 @@ def close_servers_on_terminate() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def sse_events(client: httpx.Client, path: str, body: dict) -> Iterator[dict]:
+    """The JSON events of a streamed request, as they arrive; an error event raises."""
+    with client.stream("POST", path, json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                raise RuntimeError(f"server error: {event['error']}")
+            yield event
+
+
 class ServerRunner:
     """``specserve serve`` in a subprocess, measured through its streaming completions API."""
 
     def __init__(
-        self, args: list[str], log_path: Path, startup_timeout: float = 300.0, temperature: float = 0.0
+        self,
+        args: list[str],
+        log_path: Path,
+        startup_timeout: float = 300.0,
+        temperature: float = 0.0,
+        one_slot: bool = True,
     ) -> None:
+        """``one_slot``: one sequence slot and no prefix store, so that ``run``'s forgetting request
+        leaves nothing of the last prompt (bench/conversations.py measures the slots themselves)."""
         self.temperature = temperature  # every request's; 0: greedy
+        if one_slot:
+            args = [*args, "--max-num-seqs", "1", "--prefix-cache-gb", "0"]
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
@@ -280,18 +303,11 @@ class ServerRunner:
         run = Run(time.perf_counter())
         pieces: list[str] = []
         usage = None
-        with self.client.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    raise RuntimeError(f"server error: {event['error']}")
-                if event.get("choices"):
-                    run.token_times.append(time.perf_counter())  # one token per chunk
-                    pieces.append(event["choices"][0]["text"])
-                usage = event.get("usage") or usage
+        for event in sse_events(self.client, "/v1/completions", body):
+            if event.get("choices"):
+                run.token_times.append(time.perf_counter())  # one token per chunk
+                pieces.append(event["choices"][0]["text"])
+            usage = event.get("usage") or usage
         run.text = "".join(pieces)
         if usage is not None:
             _take_stats(run, usage["speculative"])

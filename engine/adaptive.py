@@ -11,6 +11,7 @@ distribution is unchanged.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.1  # weight of the newest observation in the running averages
@@ -105,3 +106,27 @@ class AdaptiveK:
 
 def _update(average: float | None, value: float) -> float:
     return value if average is None else (1 - SMOOTHING) * average + SMOOTHING * value
+
+
+class ScopePriors:
+    """Acceptance priors by track, as each scope's finished requests moved them from start-up's
+    (``start``, which start-up may still set): no scope's prior learns from another scope's text.
+    The ``max_scopes`` most recently active scopes are kept."""
+
+    def __init__(self, start: dict[str, float], weight: float, max_scopes: int = 256) -> None:
+        self.start, self.weight, self.max_scopes = start, weight, max_scopes
+        self._by_scope: OrderedDict[str, dict[str, float]] = OrderedDict()
+
+    def of(self, scope: str) -> dict[str, float]:
+        return dict(self._by_scope.get(scope, self.start))
+
+    def fold(self, scope: str, alpha: dict[str, float], tracks) -> bool:
+        """A finished request of ``scope`` measured ``alpha`` on ``tracks``: move its priors (True)."""
+        priors = self._by_scope.pop(scope, None) or dict(self.start)
+        for track in tracks:
+            if track in priors:
+                priors[track] = (1 - self.weight) * priors[track] + self.weight * alpha[track]
+        self._by_scope[scope] = priors  # most recent last
+        while len(self._by_scope) > self.max_scopes:
+            self._by_scope.popitem(last=False)
+        return True

@@ -1,6 +1,7 @@
 """The engine thread and the async client the server talks to.
 
-One thread owns the models. Requests wait in a FIFO queue and run one at a time; each request's
+One thread owns the models. Requests arrive through a queue; the thread's scheduler admits them
+into sequence slots and lets them take turns step by step (``engine/scheduler.py``); each request's
 outputs travel back to its event loop through its own asyncio queue. The server sees the engine
 only through this client: its frozen ``description`` and the calls below.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from .engine import SpecEngine
 from .errors import ConfigError
 from .request import EngineDescription, Request, StepOutput
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class _Job:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     aborted: threading.Event = field(default_factory=threading.Event)
     aborted_at: float | None = None  # time.monotonic() of the abort, to measure how fast the engine let go
+    queued_at: float = field(default_factory=time.monotonic)
 
     def abort(self) -> None:
         if not self.aborted.is_set():
@@ -61,18 +64,19 @@ class AsyncEngine:
         load: Callable[[], SpecEngine],
         on_abort: Callable[[float], None] = lambda seconds: None,
         on_death: Callable[[BaseException], None] = lambda exc: None,
+        on_admit: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self._engine: SpecEngine | None = None  # touched from the engine thread only, but for the calls below
         self.description: EngineDescription | None = None  # set once the engine has loaded
-        self._on_abort, self._on_death = on_abort, on_death  # called from the engine thread
+        self._on_abort, self._on_death, self._on_admit = on_abort, on_death, on_admit  # called from the engine thread
         self._loaded: concurrent.futures.Future[SpecEngine] = concurrent.futures.Future()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._jobs: dict[str, _Job] = {}
-        # outputs to remember (scope, the tokens its client received), handed to the engine thread
-        # before it takes its next request, so that request already sees them
-        self._outputs: list[tuple[str, list[int]]] = []
+        # outputs to remember (scope, the tokens its client received, request id), handed to the engine
+        # thread before it admits its next request, so that request already sees them
+        self._outputs: list[tuple[str, list[int], str]] = []
         self._outputs_lock = threading.Lock()
-        self._running: _Job | None = None
+        self._scheduler: Scheduler | None = None
         self._dead = False
         self._thread = threading.Thread(target=self._main, args=(load,), name="specserve-engine", daemon=True)
         self._thread.start()
@@ -99,12 +103,26 @@ class AsyncEngine:
 
     @property
     def running(self) -> int:
-        """Requests on the engine now: 0 or 1."""
-        return int(self._running is not None)
+        """Requests in a slot now, taking turns."""
+        return 0 if self._scheduler is None else self._scheduler.running
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for a slot."""
+        return self._queue.qsize() + (0 if self._scheduler is None else len(self._scheduler.waiting))
+
+    def memory_stats(self) -> dict[str, int]:
+        """Slots in use and allocated, and the prefix store's bytes, hits and restored tokens."""
+        if self._engine is None:
+            return {}
+        slots, store = self._engine.slots, self._engine.store
+        return {
+            "slots_in_use": slots.in_use,
+            "slots_allocated": slots.allocated,
+            "store_bytes": store.nbytes,
+            "store_hits": store.hits,
+            "store_restored_tokens": store.restored_tokens,
+        }
 
     async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
         """Queue ``request`` and yield its outputs; leaving early aborts it."""
@@ -134,10 +152,11 @@ class AsyncEngine:
         if job is not None:
             job.abort()
 
-    def remember(self, tenant: str, token_ids: list[int]) -> None:
-        """Hand the engine an output as far as its client received it (``SpecEngine.remember``)."""
+    def remember(self, tenant: str, token_ids: list[int], request_id: str = "") -> None:
+        """Hand the engine an output as far as its client received it (``SpecEngine.remember``; and
+        the prefix store may keep that much of it with its prompt)."""
         with self._outputs_lock:
-            self._outputs.append((tenant, list(token_ids)))
+            self._outputs.append((tenant, list(token_ids), request_id))
 
     def close(self, reason: str) -> None:
         """Fail every queued and running request now with ``EngineClosed(reason)``, and abort each
@@ -169,33 +188,26 @@ class AsyncEngine:
             self._on_death(exc)
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            with self._outputs_lock:
-                outputs, self._outputs = self._outputs, []
-            for tenant, token_ids in outputs:
-                self._engine.remember(tenant, token_ids)
-            if job.aborted.is_set():  # its client left while it waited
-                job.send(StepOutput([], "abort"))
-                self._report_abort(job)
-                continue
-            self._running = job
-            try:
-                for output in self._engine.generate(job.request, job.aborted.is_set):
-                    job.send(output)
-            except Exception as exc:  # one request failed: report it, reset, keep serving
-                log.exception("request %s failed", job.request.request_id)
-                self._engine.reset()
-                job.send(exc)
-            self._running = None  # not in a finally: if the loop dies, _fail_all still finds this job
-            self._report_abort(job)
+        self._scheduler = Scheduler(
+            self._engine, self._queue, self._hand_over_outputs, self._report_abort, self._on_admit
+        )
+        self._scheduler.run()
+
+    def _hand_over_outputs(self) -> None:
+        with self._outputs_lock:
+            outputs, self._outputs = self._outputs, []
+        for tenant, token_ids, request_id in outputs:
+            self._engine.remember(tenant, token_ids)
+            if request_id:
+                self._scheduler.delivered(request_id, len(token_ids))
 
     def _report_abort(self, job: _Job) -> None:
         if job.aborted_at is not None:
             self._on_abort(time.monotonic() - job.aborted_at)
 
     def _fail_all(self, error: EngineDead) -> None:
-        if self._running is not None:
-            self._running.send(error)
+        for job in [] if self._scheduler is None else self._scheduler.jobs_in_engine():
+            job.send(error)
         while True:
             try:
                 job = self._queue.get_nowait()

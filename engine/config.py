@@ -71,8 +71,20 @@ class EngineConfig:
     matmul_plan: str = "cached"
     plan_cache: str | None = None
     compile_backend: str = "inductor"  # torch.compile's backend for compiled forwards and kernels (tests: aot_eager)
+    # Sequences resident at once (engine/model/slots.py): each slot has its own KV caches, allocated on first use
+    max_num_seqs: int = 4
+    # The host-memory prefix store's bound (engine/model/prefix_store.py); None: an eighth of the memory
+    # available at start-up, at most 4 GiB; 0: no store
+    prefix_cache_gb: float | None = None
+    prefill_chunk: int = 128  # while other requests wait, a prompt is read this many tokens per turn
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_num_seqs <= 256:
+            raise ConfigError(f"max_num_seqs must be between 1 and 256, got {self.max_num_seqs}")
+        if self.prefix_cache_gb is not None and self.prefix_cache_gb < 0:
+            raise ConfigError(f"prefix_cache_gb must be at least 0, got {self.prefix_cache_gb}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if self.suffix_cache_requests < 0:
             raise ConfigError(f"suffix_cache_requests must be at least 0, got {self.suffix_cache_requests}")
         if self.matmul_plan not in PLAN_MODES:
@@ -108,6 +120,12 @@ class EngineConfig:
             raise ConfigError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
         if self.activations == "int8" and not self.gguf_blocks:
             raise ConfigError("activations int8 multiplies a GGUF target's own blocks, so it needs gguf_blocks")
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        if self.prefix_cache_gb is not None:
+            return int(self.prefix_cache_gb * 2**30)
+        return min(4 * 2**30, available_memory() // 8)
 
     @property
     def draft_copy(self) -> str | None:
@@ -151,6 +169,19 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch_dtype_of("bfloat16" if self.torch_device.type == "cuda" else "float32")
         return torch_dtype_of(self.dtype)
+
+
+def available_memory() -> int:
+    """Bytes of memory the machine has available now (MemAvailable), else its physical memory."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def torch_dtype_of(name: str) -> torch.dtype:

@@ -1,7 +1,10 @@
-"""The speculative engine: one request at a time, batch size 1, caches resident across requests.
+"""The speculative engine: batch size 1, one sequence per step, caches resident across requests.
 
-Start-up (building the models' wrappers, warm-up, the report of it) is ``engine/factory.py``'s; the
-drafters are ``engine/drafters``'; this module runs requests.
+Several sequences stay resident in slots (``engine/model/slots.py``), and what a reused slot held
+goes to the host-memory prefix store (``engine/model/prefix_store.py``); which request steps next
+is the scheduler's (``engine/scheduler.py``). Start-up (building the models' wrappers, warm-up,
+the report of it) is ``engine/factory.py``'s; the drafters are ``engine/drafters``'; this module
+runs one request's steps over the slot bound now.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from .config import NO_DRAFTER, EngineConfig, dtype_name
 from .drafters import Drafter, DrafterSet, DraftResources, Proposal
 from .model.loader import generation_defaults
 from .model.model import CausalLM
+from .model.prefix_store import BLOCK, PrefixStore, positional
+from .model.slots import Slot, SlotTable
 from .outputs import OutputCache
 from .request import EngineDescription, Request, StepOutput, TokenLogprob, check_fits
 from .sampling import RequestSampler
@@ -78,9 +83,14 @@ class SpecEngine:
         # recent outputs, for drafters that match text across requests: one cache, bounded in total
         self.outputs = OutputCache(config.suffix_cache_requests if config.suffix_global else 0)
         self.drafters = DrafterSet(DraftResources(config, target, draft, draft_agreement, self.outputs))
-        self._cache_scope: str | None = None  # whose tokens the KV caches hold now
+        # the sequences resident at once: the target, the draft model and every EAGLE-3 head hold one
+        # state per slot; the slot bound now is the one the step runs over
+        holders = [*self.models, *self.drafters.resources.heads.values()]
+        self.slots = SlotTable(holders, config.max_num_seqs, copy=config.forward_mode != "eager")
+        self.store = PrefixStore(config.prefix_cache_bytes)
         self._costs: dict[str, StepCosts] = {}  # what each drafter's steps cost here, learned across requests
         self.warm_up_report: str = ""  # how start-up prepared the forwards (engine/factory.py)
+        self.system_fingerprint: str = ""  # what decides the logits' bits (engine/model/fingerprint.py)
         self.compiled: int | None = None  # compiled variants and kernels as of warm-up (then as last seen)
         self.speeds = DrafterSpeeds()  # measured tokens/s by drafter, for /v1/models and the chat page
         self.logits_hook: LogitsHook | None = None
@@ -116,16 +126,31 @@ class SpecEngine:
             dtype=dtype_name(self.target.dtype),
             weight_bytes=self.weight_bytes,
             cache_bytes=self.cache_bytes,
+            max_num_seqs=self.config.max_num_seqs,
+            prefix_store_bytes=self.store.capacity,
             warm_up=self.warm_up_report,
+            system_fingerprint=self.system_fingerprint,
             generation_defaults=generation_defaults(self.target.hf_model, embedded=self.config.target is None),
         )
 
     def reset(self) -> None:
-        """Forget all cached tokens (after a failed request, the caches' contents are not trusted)."""
-        self.target.cache.rollback(0)
-        if self.draft is not None:
-            self.draft.cache.rollback(0)
-        self._cache_scope = None
+        """Forget the bound slot's tokens in every cache (after a failed request, or before another
+        scope's request: nothing of one scope's sequence is left for another's)."""
+        for holder in self.slots.holders:
+            holder.cache.rollback(0)
+        self.slots.bound.tenant, self.slots.bound.keep = None, 0
+
+    def admit(self, slot: Slot, tenant: str, prompt: list[int]) -> None:
+        """Bind ``slot`` for a new request of ``tenant``. What of its sequence the request would
+        overwrite goes to the prefix store first (as far as it may be kept: the prompt and what its
+        client received); another scope's leaves nothing behind."""
+        self.slots.bind(slot)
+        if slot.tenant is not None and self.slots.shared(slot, tenant, prompt) < slot.keep:
+            self.store.save(slot.tenant, self.target.cache.token_ids[: slot.keep], positional(self.target))
+        if slot.tenant is not None and slot.tenant != tenant:
+            self.reset()
+        slot.tenant, slot.busy = tenant, True
+        self.slots.touch(slot)
 
     def remember(self, tenant: str, token_ids: list[int]) -> None:
         """Keep an output that reached its client (only what it received) for the drafters that
@@ -147,15 +172,26 @@ class SpecEngine:
 
     @property
     def cache_bytes(self) -> int:
-        """KV caches of the target and the draft model, allocated once at start-up."""
+        """One slot's KV caches of the target and the draft model (each slot's allocated on its first use)."""
         return sum(model.cache.nbytes for model in self.models)
 
-    def generate(self, request: Request, should_abort: Callable[[], bool] = lambda: False) -> Iterator[StepOutput]:
-        """Run one request to completion, yielding the tokens of every speculative step."""
+    def generate(
+        self,
+        request: Request,
+        should_abort: Callable[[], bool] = lambda: False,
+        crowded: Callable[[], bool] = lambda: False,
+    ) -> Iterator[StepOutput | None]:
+        """Run one request to completion over the bound slot, yielding the tokens of every
+        speculative step. While ``crowded()`` (other requests wait for their turn), a long prompt
+        is read ``prefill_chunk`` tokens at a time, yielding None after each chunk."""
         params = request.params
         check_fits(self.max_model_len, len(request.prompt_ids), params.max_tokens)
-        seq = self._begin(request)  # the caches keep the longest prefix shared with the last request
+        seq = self._begin(request)  # the slot keeps the longest prefix shared with its last request
         cached = self.target.cache.length
+        chunk, cache = self.config.prefill_chunk, self.target.cache
+        while params.prompt_logprobs is None and len(seq.token_ids) - 1 - cache.length > chunk and crowded():
+            self.target.extend(seq.token_ids[cache.length : cache.length + chunk], num_logits=0)
+            yield None
         prompt_logprobs = None
         if params.prompt_logprobs is not None:  # scores the whole prompt again: nothing was reused
             prompt_logprobs, cached = self._prompt_logprobs(seq), 0
@@ -207,10 +243,17 @@ class SpecEngine:
     def _begin(self, request: Request) -> _Sequence:
         self._warn_of_recompiles()
         prompt = list(request.prompt_ids)
-        if request.tenant != self._cache_scope:  # another scope's tokens: its prefix is not ours to reuse
+        slot = self.slots.bound
+        if request.tenant != slot.tenant:  # another scope's tokens: its prefix is not ours to reuse
             self.reset()
-            self._cache_scope = request.tenant
-        self.target.cache.reuse_prefix(prompt)
+            slot.tenant = request.tenant
+        shared = self.target.cache.reuse_prefix(prompt)
+        stored = self.store.longest(request.tenant, prompt)
+        if stored > shared:  # the store holds more of it: copy those blocks in instead of computing them
+            start = shared - shared % BLOCK
+            self.target.cache.rollback(start)
+            self.store.restore(request.tenant, prompt, start, stored, positional(self.target))
+            self.target.cache.append(prompt[start:stored])
         name = request.drafter or self.default_drafter
         if name == NO_DRAFTER:  # the request asks for the target alone
             name = None

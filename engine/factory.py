@@ -16,7 +16,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig
+from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig, available_memory
 from .cpu.blocks import FileTensors, offer_blocks
 from .cpu.int8_blocks import int8_weight
 from .cpu.plan_cache import PlanCache
@@ -25,6 +25,7 @@ from .drafters import check_stages
 from .engine import SpecEngine
 from .errors import ConfigError
 from .measure import choose_copy
+from .model.fingerprint import arithmetic, system_fingerprint, weight_files
 from .model.loader import eos_token_ids, load
 from .model.model import CausalLM
 from .model.runner import GraphRunner
@@ -82,6 +83,8 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
         engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer), models.target_file)
         progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
         progress(warm_up(engine).describe())
+        bits = arithmetic(engine.target, config.activations, config.forward_mode)
+        engine.system_fingerprint = system_fingerprint(bits, weight_files(models.target_folder, models.target_file))
     del models  # the draft copy that copy:auto did not keep, among what start-up no longer needs
     release_freed_memory()
     return LoadedEngine(engine, tokenizer, name)
@@ -137,7 +140,29 @@ def build_engine(
         for model in filter(None, (target, draft)):
             model.runner = GraphRunner(model, mode, config.num_draft_tokens + 2, config.compile_backend)
     check_stages(config.stages)  # the configured chain, whether or not the default drafter runs it
-    return SpecEngine(config, target, draft, eos_token_ids, tokenizer_size, measured_agreement)
+    engine = SpecEngine(config, target, draft, eos_token_ids, tokenizer_size, measured_agreement)
+    check_memory(engine)
+    return engine
+
+
+def check_memory(engine: SpecEngine) -> None:
+    """Refuse, in one line, slots and a prefix store that cannot fit: the slots' KV caches beyond the
+    first in the device's free memory, and those plus the store in the host's (on CPU, one memory)."""
+    config, slot = engine.config, engine.cache_bytes
+    more_slots = (config.max_num_seqs - 1) * slot
+    store = engine.store.capacity
+    device = engine.target.device
+    host_need = store + (more_slots if device.type == "cpu" else 0)
+    free = {"host": (host_need, available_memory())}
+    if device.type == "cuda":
+        free["GPU"] = (more_slots, torch.cuda.mem_get_info(device)[0])
+    for where, (need, have) in free.items():
+        if need > have:
+            raise ConfigError(
+                f"{config.max_num_seqs} sequence slots ({slot / 2**20:,.0f} MB of KV caches each) and a "
+                f"{store / 2**30:.1f} GB prefix store need {need / 2**30:.1f} GB more {where} memory than the "
+                f"{have / 2**30:.1f} GB available; lower --max-num-seqs, --max-model-len or --prefix-cache-gb"
+            )
 
 
 def warm_up(engine: SpecEngine) -> WarmUp:

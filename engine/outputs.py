@@ -47,14 +47,16 @@ class ContinuationIndex:
 
 
 class OutputCache:
-    """Recent outputs per scope (``Request.tenant``), at most ``max_requests`` in all, whatever
-    the scope; the oldest go first. One per engine, whichever drafters read it."""
+    """Recent outputs per scope (``Request.tenant``), at most ``max_requests`` in all. When full,
+    the scope holding the most outputs gives up its oldest, so one scope's flood evicts its own
+    entries before anyone else's. One per engine, whichever drafters read it."""
 
     def __init__(self, max_requests: int, max_match: int = MAX_MATCH) -> None:
         self.max_requests = max_requests
         self.max_match = max_match
         self.indexes: dict[str, ContinuationIndex] = {}
         self._outputs: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()
+        self._counts: Counter = Counter()  # outputs kept per scope
         self._next_id = 0
 
     def add(self, tenant: str, output_ids: list[int]) -> None:
@@ -62,9 +64,15 @@ class OutputCache:
             return
         self.indexes.setdefault(tenant, ContinuationIndex(self.max_match)).add(output_ids)
         self._outputs[self._next_id] = (tenant, list(output_ids))
+        self._counts[tenant] += 1
         self._next_id += 1
         while len(self._outputs) > self.max_requests:
-            _, (old_tenant, old_ids) = self._outputs.popitem(last=False)
+            largest = max(self._counts, key=self._counts.__getitem__)
+            oldest = next(key for key, (owner, _) in self._outputs.items() if owner == largest)
+            old_tenant, old_ids = self._outputs.pop(oldest)
+            self._counts[old_tenant] -= 1
+            if not self._counts[old_tenant]:
+                del self._counts[old_tenant]
             index = self.indexes[old_tenant]
             index.add(old_ids, sign=-1)
             if not index.size:

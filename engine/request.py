@@ -77,8 +77,11 @@ class EngineDescription:
     device: str
     dtype: str
     weight_bytes: int
-    cache_bytes: int
+    cache_bytes: int  # one slot's KV caches
     warm_up: str  # how the forwards were prepared at start-up (empty if they were not)
+    system_fingerprint: str = ""
+    max_num_seqs: int = 1
+    prefix_store_bytes: int = 0  # a digest of what decides the logits' bits ("": not computed)
     # models drafters run of their own (an EAGLE-3 head), described, by drafter name
     drafter_models: dict[str, str] = field(default_factory=dict)
     # request defaults the model's generation config sets, by request field ("temperature", "max_tokens", ...)

@@ -122,7 +122,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     to the total on the last id with weight. The sum runs in float64: in float32, rounding over 49k
     partial sums could shift up to ~1e-7 of mass per id. Returns [R] int64."""
     cumulative = weights.double().cumsum(-1)  # [R, V]
-    total = cumulative[:, -1:]  # [R, 1]
+    total = cumulative[:, -1:].contiguous()  # [R, 1]
     index = torch.searchsorted(cumulative, u.unsqueeze(1) * total, right=True)  # [R, 1]
     last = torch.searchsorted(cumulative, total).clamp_max(weights.shape[-1] - 1)  # [R, 1]; NaN weights: in range
     return torch.minimum(index, last)[:, 0]

@@ -195,7 +195,8 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
             holder.append(load())
             return holder[0].engine
 
-        engine = AsyncEngine(load_in_engine_thread, app.state.metrics.abort_latency.observe, on_death)
+        metrics = app.state.metrics
+        engine = AsyncEngine(load_in_engine_thread, metrics.abort_latency.observe, on_death, metrics.queue_wait.observe)
         engines.append(engine)
         try:
             await engine.ready()
@@ -210,6 +211,7 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
         loaded = holder[0]
         app.state.metrics.queue_depth.set_function(lambda: engine.queue_depth)
         app.state.metrics.running.set_function(lambda: engine.running)
+        app.state.metrics.watch_memory(engine.memory_stats)
         name = settings.served_model_name or loaded.model_name
         core = ServingCore(
             engine,
@@ -238,7 +240,9 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
     app.state.tenancy = Tenancy.from_settings(
         settings.api_key, settings.api_key_file, settings.share_cache, settings.host
     )
-    app.state.guard = GuardState(app.state.tenancy, settings.max_request_bytes, settings.max_queue)
+    app.state.guard = GuardState(
+        app.state.tenancy, settings.max_request_bytes, settings.max_queue, settings.max_num_seqs
+    )
     install_error_handlers(app)
     app.include_router(router)
     app.add_middleware(Guard, state=app.state.guard, metrics=app.state.metrics)
@@ -266,7 +270,9 @@ def startup_summary(
         f"ready: serving {name!r} at http://{settings.host}:{settings.port} | target on {engine.device}, "
         f"{engine.dtype}, {torch.get_num_threads()} threads | draft {draft_text} | "
         f"drafter {drafter}, k={k}{engine.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
-        f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB, peak RSS {rss:,.0f} MB"
+        f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB a slot, "
+        f"{engine.max_num_seqs} slots (allocated on first use), prefix store up to "
+        f"{engine.prefix_store_bytes / 2**30:.1f} GB, peak RSS {rss:,.0f} MB"
         + (f" | {engine.warm_up}" if engine.warm_up else "")
         + f" | {_request_defaults(defaults)}"
         + f" | {tenancy.describe()}"

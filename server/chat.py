@@ -143,6 +143,7 @@ class ChatServing:
             id=new_id("chatcmpl"),
             created=now(),
             model=self.core.model_name,
+            system_fingerprint=self.core.fingerprint,
             choices=choices,
             usage=totals.usage(),
             warnings=prepared[0].warnings or None,

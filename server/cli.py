@@ -157,7 +157,10 @@ def check_port(host: str, port: int) -> list[str]:
 
 
 def serve(settings: ServeSettings, config_file: str | None = None) -> None:
-    config = settings.engine_config()
+    from server.tenants import Tenancy
+
+    tenancy = Tenancy.from_settings(settings.api_key, settings.api_key_file, settings.share_cache, settings.host)
+    config = settings.engine_config(shares=tenancy.share)
     # A busy port is refused before torch loads (this module's imports load none): in a moment,
     # not after the tens of seconds torch takes on a loaded host.
     if problems := check_port(settings.host, settings.port):

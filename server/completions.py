@@ -95,7 +95,12 @@ class CompletionsServing:
                 )
             )
         return CompletionResponse(
-            id=new_id("cmpl"), created=now(), model=self.core.model_name, choices=choices, usage=totals.usage()
+            id=new_id("cmpl"),
+            created=now(),
+            model=self.core.model_name,
+            system_fingerprint=self.core.fingerprint,
+            choices=choices,
+            usage=totals.usage(),
         )
 
     async def stream(self, body: CompletionRequest) -> AsyncIterator[CompletionChunk]:

@@ -22,12 +22,13 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/"})  # the chat page holds no d
 @dataclass(slots=True)
 class GuardState:
     """Shared with the app: ``draining`` flips on SIGTERM; ``admitted`` counts generation requests
-    waiting or running; the engine runs one, so capacity is ``max_queue + 1``. ``tenancy`` says
+    waiting or running; the engine runs ``max_num_seqs`` at once, so capacity is ``max_queue + max_num_seqs``. ``tenancy`` says
     which key is which tenant; the tenant a request's key names goes into its scope's state."""
 
     tenancy: Tenancy
     max_body_bytes: int
     max_queue: int
+    max_num_seqs: int = 1
     retry_after_s: int = 1
     draining: bool = False
     admitted: int = 0
@@ -46,7 +47,7 @@ class Guard:
         tenant = state.tenancy.tenant_of(_header(scope, b"authorization"))  # None: no key of ours
         refusal = self._refusal(path, length, tenant)
         generation = path in GENERATION_PATHS and scope["method"] == "POST"
-        if refusal is None and generation and state.admitted >= state.max_queue + 1:
+        if refusal is None and generation and state.admitted >= state.max_queue + state.max_num_seqs:
             refusal = Overloaded(state.max_queue, state.retry_after_s)
         if refusal is not None:
             if self.metrics is not None:

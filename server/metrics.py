@@ -11,6 +11,15 @@ from engine.stats import StepRecord
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+MEMORY_HELP = {
+    "slots_in_use": "Sequence slots a request runs in now",
+    "slots_allocated": "Sequence slots whose KV caches are allocated",
+    "store_bytes": "Bytes the host-memory prefix store holds",
+    "store_hits": "Requests that restored a prefix from the store",
+    "store_restored_tokens": "Prompt tokens restored from the store instead of computed",
+}
+
+
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
@@ -36,7 +45,12 @@ class Metrics:
         )
         self.queue_depth = Gauge("specserve_queue_depth", "Requests waiting for the engine", registry=r)
         self.queue_depth.set_function(queue_depth)
-        self.running = Gauge("specserve_running_requests", "Requests on the engine now (0 or 1)", registry=r)
+        self.running = Gauge("specserve_running_requests", "Requests in a sequence slot, taking turns", registry=r)
+        self.queue_wait = Histogram(
+            "specserve_queue_wait_seconds", "From arrival to a sequence slot", buckets=LATENCY_BUCKETS, registry=r
+        )
+        memory = ["slots_in_use", "slots_allocated", "store_bytes", "store_hits", "store_restored_tokens"]
+        self.memory = {name: Gauge(f"specserve_{name}", MEMORY_HELP[name], registry=r) for name in memory}
         self.abort_latency = Histogram(
             "specserve_abort_latency_seconds",
             "From a client leaving (or a timeout) to the engine letting its request go",
@@ -63,6 +77,11 @@ class Metrics:
         self.verify_time = Histogram(
             "specserve_spec_decode_verify_seconds", "Verify time per step", by, buckets=LATENCY_BUCKETS, registry=r
         )
+
+    def watch_memory(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Read the engine's slot and store figures at every scrape."""
+        for name, gauge in self.memory.items():
+            gauge.set_function(lambda name=name: stats().get(name, 0))
 
     def observe_step(self, drafter: str | None, record: StepRecord) -> None:
         """``drafter``: the request's. Under auto the label also names the drafter it chose, e.g. auto/suffix."""

@@ -80,6 +80,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # what decides the bits: a seeded request repeats where it matches
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -108,6 +109,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # as in CompletionResponse
     choices: list[ChatChoice]
     usage: Usage
     warnings: list[str] | None = None  # specserve's extension: what the server could not do as asked
@@ -140,6 +142,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None  # as in CompletionResponse
     choices: list[ChatChunkChoice]
     usage: Usage | None = None  # only on the last chunk (choices: []), when stream_options.include_usage
     speculative: SpeculativeUsage | None = None  # as in CompletionChunk: on the chunk that finishes a choice

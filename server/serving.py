@@ -54,6 +54,7 @@ class ServingCore:
         self.model_name = model_name
         self.metrics = metrics
         self.description = engine.description  # the loaded engine's: vocabulary, context, drafters
+        self.fingerprint = self.description.system_fingerprint or None
         self.defaults = dict(self.description.generation_defaults) if generation_defaults else {}
         self.vocab_size = self.description.vocab_size
         self.token_bytes = TokenBytes(tokenizer)
@@ -160,7 +161,14 @@ class ServingCore:
         request_id, created = new_id(prefix), now()
 
         def chunk(choices: list, **fields) -> T:
-            return chunk_type(id=request_id, created=created, model=self.model_name, choices=choices, **fields)
+            return chunk_type(
+                id=request_id,
+                created=created,
+                model=self.model_name,
+                system_fingerprint=self.fingerprint,
+                choices=choices,
+                **fields,
+            )
 
         return chunk
 
@@ -248,7 +256,7 @@ class ServingCore:
             raise InternalError(f"the engine failed on this request: {type(exc).__name__}: {exc}") from exc
         finally:
             await outputs.aclose()  # leaving early (stop string, disconnect) aborts the request
-            self.engine.remember(choice.request.tenant, token_ids[:sent])
+            self.engine.remember(choice.request.tenant, token_ids[:sent], choice.request.request_id)
 
     async def _next_output(self, outputs: AsyncIterator[StepOutput], deadline: float | None) -> StepOutput | None:
         """The engine's next output, or None at the end; past the deadline, a RequestTimeout."""

@@ -152,6 +152,21 @@ class ServeSettings(BaseSettings):
         "auto: on with keys, or without keys on a loopback address; off: no request shares with another",
     )
     max_queue: int = production(64, "generation requests allowed to wait; past it 429", ge=0)
+    max_num_seqs: int = engine_field(
+        "max_num_seqs",
+        "sequences resident at once, each with its own KV caches; requests take turns step by step",
+        ge=1,
+        le=256,
+    )
+    prefix_cache_gb: float | None = engine_field(
+        "prefix_cache_gb",
+        "host memory for the prefix store, which keeps reused slots' prompts for later requests of their scope "
+        "(default: an eighth of the available memory, at most 4; 0: none)",
+        ge=0,
+    )
+    prefill_chunk: int = engine_field(
+        "prefill_chunk", "while other requests wait, a long prompt is read this many tokens per turn", ge=1
+    )
     request_timeout: float | None = production(600.0, "seconds per request, waiting included", gt=0)
     max_request_bytes: int = production(4 * 2**20, "largest request body accepted", ge=1024)
     cors_allow_origins: str | None = production(None, "comma-separated origins allowed by CORS (default: CORS off)")
@@ -187,9 +202,12 @@ class ServeSettings(BaseSettings):
             return DEFAULT_DRAFT if self.target is None else None
         return self.draft
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's configuration: every field the two share, in the engine's form."""
+    def engine_config(self, shares: bool = True) -> EngineConfig:
+        """The engine's configuration: every field the two share, in the engine's form. ``shares``:
+        whether requests share any scope (``Tenancy.share``); where none does, no prefix is stored."""
         shared = {name: getattr(self, name) for name in type(self).model_fields if name in ENGINE_DEFAULTS}
+        if not shares:
+            shared["prefix_cache_gb"] = 0.0
         shared.update(
             draft=self.resolved_draft,
             self_layers=_int_list(self.self_layers, "self_layers"),

@@ -32,6 +32,36 @@ def plan_cache_folder(tmp_path_factory) -> Path:
     return Path(os.environ["XDG_CACHE_HOME"]) / "specserve" / "matmul-plans"
 
 
+# the embedded target with its shipped EAGLE-3 head, as tests load it (each load reads the GGUF: about 20 s)
+EMBEDDED_FLOAT32 = {
+    "drafter": "eagle3",
+    "num_draft_tokens": 2,
+    "max_model_len": 512,
+    "device": "cpu",
+    "forward": "eager",
+}
+EMBEDDED_INT8 = {**EMBEDDED_FLOAT32, "num_draft_tokens": 4, "activations": "int8"}
+
+
+@pytest.fixture(scope="session")
+def embedded() -> Iterator:
+    """``embedded(**fields)``: the embedded model loaded with these EngineConfig fields, once a session
+    (a test that changes what it holds puts it back)."""
+    from engine.config import EngineConfig
+    from engine.factory import load_engine
+
+    loaded: dict = {}
+
+    def load(**fields):
+        key = tuple(sorted(fields.items()))
+        if key not in loaded:
+            loaded[key] = load_engine(EngineConfig(**fields), show_progress=False)
+        return loaded[key]
+
+    yield load
+    loaded.clear()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

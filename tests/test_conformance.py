@@ -236,6 +236,10 @@ def test_metrics_expose_requests_tokens_latency_queue_and_speculation(server, cl
         'specserve_spec_decode_num_accepted_tokens_per_pos_total{drafter="model",position="0"}',
         "specserve_spec_decode_draft_seconds_sum",
         "specserve_spec_decode_verify_seconds_sum",
+        "specserve_queue_wait_seconds_count",
+        "specserve_store_bytes",
+        "specserve_store_hits",
+        "specserve_store_restored_tokens",
     ):
         assert name in text, name
     values = {
@@ -246,6 +250,7 @@ def test_metrics_expose_requests_tokens_latency_queue_and_speculation(server, cl
         <= values['specserve_spec_decode_num_draft_tokens_total{drafter="model"}']
     )
     assert values["specserve_generation_tokens_total"] >= 10
+    assert values["specserve_slots_allocated"] >= 1 and values["specserve_slots_in_use"] == 0  # none running now
 
 
 def test_async_sdk_streaming_and_not(server):

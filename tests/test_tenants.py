@@ -146,10 +146,9 @@ def test_cached_tokens_is_zero_for_a_prefix_another_key_computed(keyed):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     other = complete(keyed, "bob", document + "Question two?", max_tokens=2)
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # bob's request ran in another slot: alice's prefix is still hers, and only hers
     again = complete(keyed, "alice", document + "Question three?", max_tokens=2)
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # bob's request came between
-    own = complete(keyed, "alice", document + "Question four?", max_tokens=2)
-    assert own["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(document)  # within alice, as before
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(document)
 
 
 def test_a_stop_strings_unsent_tail_never_becomes_a_match(keyed):

@@ -13,13 +13,13 @@ activations to int8 per block of 32 and sum in integers (engine/cpu/csrc/blocks_
 different model, about 3x cheaper per product. Every input then goes through the kernels, whatever
 its length, so a row's arithmetic never depends on the rows beside it.
 
-Decode and verify rows (up to ``DIRECT_ROWS``) go through the kernel, each decoded block shared by
-all rows. Longer inputs (prompts, a draft head's catch-up) go through it too up to the row count
-where, on this host, decoding a tile of the weight at a time into a float32 product starts to win
-(engine/cpu/matmul.py's ``measure_direct_rows``, per weight shape: for a wide product of a narrow
-input that can be never, for a narrow one of a wide input a few dozen rows).
-Whether a weight shape is held as blocks is the ``MatmulPlan``'s choice (``engine/cpu/matmul.py``):
-measured against the float32 formulations, like oneDNN's packed copies.
+A target's products go through the kernel at every row count (``rows_alike``), each decoded block
+shared by all rows and each row summed in the same order whatever rows come with it, so a
+position's logits are the same bits from a prompt pass, a decode step or a verify. A draft head's
+blocks (EAGLE-3's, whose rounding decides no output) may instead go by decoded tiles into a float32
+product past the row count where, on this host, that starts to win (engine/cpu/matmul.py's
+``measure_direct_rows``, per weight shape: for a wide product of a narrow input that can be never,
+for a narrow one of a wide input a few dozen rows); a BLAS product's sums depend on the row count.
 
 ``match_blocks`` finds each product's tensors in the file (the gguf package's name map) and proves
 the exactness at start-up: the decoded blocks must equal the loaded float32 weight bit for bit, up

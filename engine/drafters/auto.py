@@ -5,7 +5,7 @@ a head (named, or shipped for the target, priced by its own timing); and draftin
 For candidate c at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k)
 seconds, where the acceptance a_c is this request's own: accepted over accepted plus rejections,
 pooled over the steps c ran (recent ones weigh more), counting only what c proposed. A request starts
-from a prior that finished requests move (a draft model's, first its agreement measured at start-up;
+from a prior that its scope's finished requests move (a draft model's, first its agreement measured at start-up;
 a head's, what its training measured); one whose steps yield more or less than the geometric
 estimate (text matching's are all or nothing) has it scaled by its realised over expected tokens.
 Draft cost d_c and verify cost v(k) are timed at start-up, then measured live and shared by
@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, StepCosts, _update, expected_tokens
+from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, expected_tokens
 from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line
 from ..sampling import RequestSampler
 from .base import Drafter, DraftResources, Proposal
@@ -80,20 +80,22 @@ class _Choice:
 @dataclass(slots=True)
 class _Request:
     alpha: dict[str, float] = field(default_factory=dict)  # each track's acceptance estimate now
+    priors: dict[str, float] = field(default_factory=dict)  # what it started from: its scope's priors
+    tenant: str = ""  # its scope, whose priors its acceptance moves once (``folded``)
+    folded: bool = False
     # per track: (accepted tokens, rejections) seen this request, older steps faded
     evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # per track: (tokens its steps yielded, tokens the geometric estimate expected of them), older
-    # steps faded: their ratio corrects the estimate where acceptance is not geometric
+    # per track: (tokens its steps yielded, tokens the geometric estimate expected), faded: the ratio corrects it
     yields: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate and track last ran
-    # (tokens, seconds) text matching or plain decoding would have made of the last few steps, at the
-    # best offer each step had: the pace a draft model's step must beat
+    # (tokens, seconds) text matching or plain decoding made of the last few steps: a draft step must beat it
     text_pace: tuple[float, float] = (0.0, 0.0)
     step: int = 0
 
 
 class AutoDrafter(Drafter):
     name = "auto"
+    per_sequence = ("_request", "_choice")
     probe_every = PROBE_EVERY  # steps after which an unused candidate (or match length) is tried again
 
     def __init__(self, candidates: dict[str, Drafter], resources: DraftResources | None = None) -> None:
@@ -105,10 +107,10 @@ class AutoDrafter(Drafter):
         self.verify = StepCosts()  # verify cost by k, whatever drafted
         self.catch_up: dict[str, float] = {}  # seconds per token a candidate takes to read what it missed
         self.extra_row: dict[str, float] = {}  # seconds per row beyond the first of a short read
-        self.priors = dict.fromkeys(readers, ALPHA_PRIOR)  # by track, across requests
-        for name in candidates:
-            if name not in readers:
-                self.priors |= {match_track(name, length): prior for length, prior in MATCH_PRIORS.items()}
+        self.priors = dict.fromkeys(readers, ALPHA_PRIOR)  # by track, as start-up knows them
+        texts = [name for name in candidates if name not in readers]
+        self.priors |= {match_track(name, n): prior for name in texts for n, prior in MATCH_PRIORS.items()}
+        self.scope_priors = ScopePriors(self.priors, PRIOR_WEIGHT)  # as each scope's requests moved them
         self._request = _Request()
         self._choice: _Choice | None = None
 
@@ -137,17 +139,20 @@ class AutoDrafter(Drafter):
                 self.draft_costs[name] = StepCosts(draft=own.step_seconds, provisional_draft=True)
                 self.catch_up[name], self.priors[name] = own.seconds_per_token, own.acceptance or ALPHA_PRIOR
                 self.extra_row.pop(name, None)
-        self._request = _Request(alpha=dict(self.priors))
+        self._request = _Request(alpha=dict(self.priors), priors=dict(self.priors))
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         for candidate in self.candidates.values():
             candidate.begin(prompt_ids, tenant)
-        finished = self._request
-        for track in finished.last_tried:  # what the last request measured moves the next one's start
-            if track in self.priors:
-                self.priors[track] = (1 - PRIOR_WEIGHT) * self.priors[track] + PRIOR_WEIGHT * finished.alpha[track]
-        self._request = _Request(alpha=dict(self.priors))
+        finished = self._request  # the last request begun here (each moves its scope's priors once)
+        if not finished.folded and finished.last_tried:
+            finished.folded = self.scope_priors.fold(finished.tenant, finished.alpha, finished.last_tried)
+        priors = self.scope_priors.of(tenant)
+        self._request = _Request(alpha=dict(priors), priors=priors, tenant=tenant)
         self._choice = None
+
+    def parts(self) -> list[Drafter]:
+        return list(self.candidates.values())
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
@@ -223,11 +228,11 @@ class AutoDrafter(Drafter):
         successes = EVIDENCE_DECAY * successes + accepted
         rejections = EVIDENCE_DECAY * rejections + (accepted < drafted)
         request.evidence[track] = (successes, rejections)
-        prior = self.priors.get(track, ALPHA_PRIOR)
+        prior = request.priors.get(track, ALPHA_PRIOR)
         request.alpha[track] = min(0.99, (successes + PRIOR_TOKENS * prior) / (successes + rejections + PRIOR_TOKENS))
 
     def _alpha(self, track: str) -> float:
-        return self._request.alpha.get(track, self.priors.get(track, ALPHA_PRIOR))
+        return self._request.alpha.get(track, self._request.priors.get(track, ALPHA_PRIOR))
 
     def _tokens(self, track: str, k: int) -> float:
         """Tokens a step drafting k is expected to yield: geometric at the track's acceptance, scaled by
@@ -283,7 +288,7 @@ class AutoDrafter(Drafter):
         for name in self.candidates:
             if self._reads(name):
                 self.priors[name] = acceptance
-        self._request = _Request(alpha=dict(self.priors))
+        self._request = _Request(alpha=dict(self.priors), priors=dict(self.priors))
 
     def _reads(self, name: str | None) -> bool:
         """Whether the candidate runs a model, which must read the sequence before proposing."""

@@ -67,6 +67,9 @@ class Drafter(Protocol):
     # A model of its own it drafts with (an EAGLE-3 head), described for the start-up line and
     # /v1/models; None: none, or the shared draft model.
     own_model: str | None = None
+    # The attributes that belong to the sequence being drafted (reset by ``begin``): what ``park``
+    # keeps while another sequence uses this drafter, and ``resume`` puts back.
+    per_sequence: ClassVar[tuple[str, ...]] = ()
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         """A new request starts with ``prompt_ids``; reuse whatever state still matches. ``tenant``
@@ -77,6 +80,22 @@ class Drafter(Protocol):
 
     def accept(self, num_committed: int) -> None:
         """The first ``num_committed`` tokens of the sequence are final; drop state beyond them."""
+
+    def parts(self) -> list[Drafter]:
+        """The drafters it drafts through (a chain's stages, auto's candidates), for ``park``."""
+        return []
+
+    def park(self) -> tuple:
+        """Its sequence's state, while another sequence's steps run (``engine/scheduler.py``);
+        ``begin`` makes new objects for a new sequence, so what is parked stays as it was."""
+        return tuple(getattr(self, name) for name in self.per_sequence), [part.park() for part in self.parts()]
+
+    def resume(self, parked: tuple) -> None:
+        own, parts = parked
+        for name, value in zip(self.per_sequence, own, strict=True):
+            setattr(self, name, value)
+        for part, state in zip(self.parts(), parts, strict=True):
+            part.resume(state)
 
     def lag(self, token_ids: list[int]) -> int:
         """Tokens its model must read before it can propose (``runs_model``); 0 without one."""

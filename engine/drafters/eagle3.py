@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    per_sequence = ("_committed", "_feature")
     runs_model = True  # its own layer, over its own cache: it catches up on what it missed
     reads_target_cache = True  # from the target's kept features: it never runs a model over a prompt
 

@@ -39,6 +39,8 @@ class Eagle3Head(nn.Module):
     """fc [H, A*E] over the target's features, one Llama decoder layer reading 2H, a final norm and
     an LM head over the draft vocabulary; ``step`` runs it over new positions of its own cache."""
 
+    sequence_fields = ("cache",)  # one sequence's state (engine/model/slots.py)
+
     def __init__(self, config: dict, target: CausalLM, aux_layers: tuple[int, ...], norm_before_residual: bool):
         super().__init__()
         hidden, heads = config["hidden_size"], config["num_attention_heads"]

@@ -79,6 +79,7 @@ def check_checkpoint(folder: Path) -> dict:
 
 class MedusaDrafter(Drafter):
     name = "medusa"
+    per_sequence = ("_hidden",)
 
     def __init__(self, target: CausalLM, heads: MedusaHeads) -> None:
         if heads.heads[0].in_features != target.config.hidden_size:

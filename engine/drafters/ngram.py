@@ -16,6 +16,7 @@ from .registry import register
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    per_sequence = ("_index", "_indexed")
 
     def __init__(self, min_n: int, max_n: int, device: torch.device) -> None:
         self.sizes = range(max_n, min_n - 1, -1)  # longest match first

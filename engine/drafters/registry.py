@@ -126,6 +126,18 @@ class DrafterSet:
         self._chains.move_to_end(stages)
         return self._chains[stages]
 
+    def park(self) -> dict[int, tuple]:
+        """Every built drafter's per-sequence state (``Drafter.park``), while another sequence runs."""
+        return {id(drafter): drafter.park() for drafter in self._instances()}
+
+    def resume(self, parked: dict[int, tuple]) -> None:
+        for drafter in self._instances():
+            if id(drafter) in parked:
+                drafter.resume(parked[id(drafter)])
+
+    def _instances(self) -> list[Drafter]:
+        return [*self.built.values(), *self._chains.values()]
+
     def target_layer_sets(self) -> list[tuple[int, ...]]:
         """The layer subsets of the target that the built drafters run, each once."""
         found = [layers for drafter in self.built.values() for layers in drafter.target_layer_sets()]

@@ -24,6 +24,9 @@ class StagedDrafter(Drafter):
         for stage in self.stages:
             stage.begin(prompt_ids, tenant)
 
+    def parts(self) -> list[Drafter]:
+        return list(self.stages)
+
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         proposal = self.stages[0].propose(token_ids, num_draft_tokens, sampler)
         for stage in self.stages[1:]:

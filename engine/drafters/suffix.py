@@ -31,6 +31,7 @@ MIN_PROBABILITY = 0.1  # stop drafting once the path's estimated probability fal
 
 class SuffixDrafter(Drafter):
     name = "suffix"
+    per_sequence = ("_local", "_indexed", "_tenant", "match_length")
 
     def __init__(self, device: torch.device, cache: OutputCache | None, max_match: int = MAX_MATCH) -> None:
         self.device = device

@@ -88,9 +88,11 @@ class Pointwise:
     native: bool = False  # the norms and the rotation run engine/cpu/csrc's ops
 
     @classmethod
-    def eager(cls, eps: float, activation: Callable, native: bool = False) -> Pointwise:
-        """Eager functions; ``native``: the norms and the rotation by engine/cpu/csrc's ops (CPU float32),
-        one call each where torch launches several (a norm is about eight)."""
+    def eager(cls, eps: float, activation: Callable, native: bool = False, silu: bool = False) -> Pointwise:
+        """Eager functions; ``native``: the norms, the rotation and a SiLU gate by engine/cpu/csrc's ops
+        (CPU float32; the gate where ``activation`` is SiLU), one call each where torch launches several (a norm is about eight), each
+        splitting its work between threads by whole rows (so a row's bits never depend on the rows
+        beside it or on the thread count)."""
         functions = _bound(eps, activation)
         if native:
             ops = torch.ops.specserve
@@ -98,6 +100,8 @@ class Pointwise:
             functions["rms_norm"] = lambda x, weight: norm(x, weight, eps)
             functions["add_rms_norm"] = lambda residual, delta, weight: add_norm(residual, delta, weight, eps)
             functions["rotate"] = ops.rotate.default
+            if silu:
+                functions["gate"] = ops.silu_gate.default
         return cls("eager", **functions, native=native)
 
     @classmethod

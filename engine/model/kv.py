@@ -88,6 +88,20 @@ class KVCache:
         self.values[:, :, :, start:end].copy_(source.values[:, :, :, start:end])
         self.append(token_ids[start:end])
 
+    def empty_like(self) -> KVCache:
+        """A cache of the same geometry holding nothing (another sequence's slot)."""
+        num_layers, _, num_kv_heads, max_len, head_dim = self.keys.shape
+        return KVCache(num_layers, num_kv_heads, head_dim, max_len, self.keys.dtype, self.keys.device)
+
+    def copy_all_from(self, source: KVCache) -> None:
+        """Hold exactly what ``source`` holds (a slot bound by copy, where a captured forward keeps
+        this cache's addresses): its first ``source.length`` positions and their token ids."""
+        end = source.length
+        self.keys[:, :, :, :end].copy_(source.keys[:, :, :, :end])  # [L, 1, H_kv, end, D]
+        self.values[:, :, :, :end].copy_(source.values[:, :, :, :end])
+        self.token_ids = list(source.token_ids)
+        self._first_unknown = source._first_unknown
+
     def write(
         self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,6 +56,7 @@ class LoadedModels:
     tokenizer: PreTrainedTokenizerBase
     target_name: str
     target_file: Path | None = None  # the GGUF file the target was read from, if it was
+    target_folder: str = ""  # the local folder the target was read from
 
 
 def embedded_gguf() -> Path:
@@ -162,7 +163,7 @@ def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: N
     name = EMBEDDED_NAME if config.target is None else config.target
     where, extra = locate(config.target)
     target_file = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
-    return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=name, target_file=target_file)
+    return LoadedModels(target, draft, tokenizer, name, target_file, where)
 
 
 def load_draft(config: EngineConfig, target: torch.nn.Module) -> torch.nn.Module | None:

@@ -32,9 +32,10 @@ class UnsupportedModel(ConfigError):
 
 
 class CausalLM:
-    """One model, its KV cache, and ``extend``: feed tokens, get logits. It owns ``hf_model``:
-    ``weights`` (``engine/model/weights.py``) may hold its products' weights in another form and free the
-    modules' own."""
+    """One model, its KV cache, and ``extend``: feed tokens, get logits. It owns ``hf_model``: ``weights``
+    (``engine/model/weights.py``) may hold its products' weights in another form and free the modules' own."""
+
+    sequence_fields = ("cache", "features", "last_hidden", "_last_hidden_end")  # one sequence's (model/slots.py)
 
     def __init__(self, hf_model: nn.Module, max_len: int) -> None:
         config = hf_model.config
@@ -63,8 +64,7 @@ class CausalLM:
         }
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.scaling = attn.scaling
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_len = max_len
@@ -90,13 +90,14 @@ class CausalLM:
         if any(norm.variance_epsilon != self.norm_eps for norm in norms):
             raise UnsupportedModel("the layers' RMSNorms must share one epsilon (the config's rms_norm_eps)")
         self.activation = self.layers[0].mlp.act_fn
-        self.kernels = Pointwise.eager(self.norm_eps, self.activation, self._native_kernels())
+        self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")
+        self.kernels = Pointwise.eager(self.norm_eps, self.activation, self._native_kernels(), self.silu)
         self.weights = ProductWeights(self._products(), self.embed.weight)
         # per layer, its products as (module, weight name): q/k/v, o, gate/up, down; none where the
         # fused layer (specserve::decode_layer) does not apply (Qwen3's head norms, another activation)
-        silu = getattr(config, "hidden_act", None) in ("silu", "swish")
         self._layer_products = [
-            layer_products(layer) if silu and i not in self.head_norms else None for i, layer in enumerate(self.layers)
+            layer_products(layer) if self.silu and i not in self.head_norms else None
+            for i, layer in enumerate(self.layers)
         ]
 
     @property
@@ -230,7 +231,7 @@ class CausalLM:
         if mode == "compiled":
             self.kernels = Pointwise.compiled(self.norm_eps, self.activation, backend)
         else:
-            self.kernels = Pointwise.eager(self.norm_eps, self.activation, native and self._native_kernels())
+            self.kernels = Pointwise.eager(self.norm_eps, self.activation, native and self._native_kernels(), self.silu)
 
     def _native_kernels(self) -> bool:
         """Whether the eager norms and rotation can run engine/cpu/csrc's ops: a float32 CPU model, with
@@ -332,7 +333,7 @@ class CausalLM:
             keys, values = self.cache.write(index, positions, k, v, window)  # [1, H_kv, W, D]
         # The G = H / H_kv query heads of a KV head attend as its G*T queries, masked: K and V not copied
         grouped = q.reshape(1, kv_heads, (heads // kv_heads) * num_new, dim)  # [1, H_kv, G*T, D]
-        alike = self.weights.int8_activations  # int8 activations: every length through the kernel (attend)
+        alike = self.weights.rows_alike  # a GGUF target's: every length through the kernel (attend)
         out = attend(grouped, keys, values, mask, self.scaling, chunks, self.kernels.native, alike)  # [1, H_kv, G*T, D]
         out = out.reshape(1, heads, num_new, dim).transpose(1, 2).reshape(1, num_new, heads * dim)  # [1, T, H*D]
         return self.weights.linear(out, attn.o_proj, "weight")  # [1, T, E]

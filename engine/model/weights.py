@@ -2,19 +2,20 @@
 
 A product's weight is held as the checkpoint holds it (multiplied in the formulation a
 ``MatmulPlan`` measured fastest), packed by oneDNN where the plan chose that (``PackedWeight``), as
-the GGUF file's own blocks where the plan chose that (``BlockWeight``, engine/cpu/blocks.py), or as int8
+the GGUF file's own blocks wherever the file holds them (``BlockWeight``, engine/cpu/blocks.py: every
+row through the kernel, so a row's bits never depend on its neighbours), or as int8
 rows with a scale each (``Int8Weight``: only for drafts, a different model). Whatever the form,
 ``ProductWeights.linear`` computes the same product, and ``dense`` gives the weight back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from ..cpu.blocks import INT8_FORMATS, BlockWeight
+from ..cpu.blocks import BlockWeight
 from ..cpu.matmul import BLOCKS, PACKED, MatmulPlan, PackedWeight, weight_key, with_direct_rows
 from ..cpu.plan_cache import PlanCache
 from ..errors import ConfigError
@@ -78,9 +79,11 @@ class ProductWeights:
         # the GGUF blocks each product can be held as (``offer_blocks``), and what became of them, in a line
         self.blocks: dict[tuple[int, str], BlockWeight] = {}
         self.blocks_line = ""
-        # products take int8 activations (engine/cpu/int8_blocks.py): a row's arithmetic must then
-        # never depend on the rows beside it, since a last-bit difference can move a rounding to int8
-        self.int8_activations = False
+        # a GGUF target's products go through their blocks' kernels at every row count, so a row's
+        # arithmetic never depends on the rows beside it: a position's logits are the same bits from a
+        # prompt pass, a decode step or a verify (and with int8 activations a last-bit difference
+        # could otherwise move a rounding to int8)
+        self.rows_alike = False
 
     @property
     def nbytes(self) -> int:
@@ -124,10 +127,11 @@ class ProductWeights:
         return _fused_parts(module, name) or [module]
 
     def offer_blocks(self, blocks: dict[tuple[int, str], BlockWeight], line: str) -> None:
-        """Let the plan hold these products as GGUF blocks, where it measures them faster (all of
-        them, with int8 activations: ``int8_activations``)."""
-        self.blocks, self.blocks_line = blocks, line
-        self.int8_activations = any(part.format in INT8_FORMATS for held in blocks.values() for part in held.parts)
+        """Hold these products as GGUF blocks, each multiplied by its kernel at every row count
+        (``rows_alike``), never by decoded tiles or BLAS, whose sums depend on how rows are grouped."""
+        self.blocks = {key: replace(held, rows_alike=True) for key, held in blocks.items()}
+        self.blocks_line = line
+        self.rows_alike = bool(blocks)
 
     def blocks_by_shape(self) -> dict:
         """The offered GGUF blocks grouped by weight key, as ``MatmulPlan.measure`` times them."""
@@ -145,7 +149,7 @@ class ProductWeights:
             self.use_plan(MatmulPlan())  # measured on the weights as the checkpoint holds them
             by_shape = self.blocks_by_shape()
             weights = self.linear_weights()
-            if self.int8_activations:  # every product through its blocks, unmeasured: each row computed alike
+            if self.rows_alike:  # every product through its blocks, unmeasured: each row computed alike
                 self.use_plan(MatmulPlan.uniform(BLOCKS, max_rows, weights))
                 return self.plan
             key = cache.key([weight_key(w) for w in weights], list(by_shape), max_rows) if cache else ""

@@ -50,6 +50,7 @@ from engine.cpu.matmul import (
     with_direct_rows,
 )
 from engine.model.loader import embedded_gguf
+from tests.conftest import EMBEDDED_FLOAT32
 from tests.tiny import quantize_in_place, tiny_engine, tiny_llama
 
 ISAS = list(range(kernel_isa() + 1))  # every instruction set this CPU runs, the portable reference first
@@ -341,17 +342,15 @@ PROMPTS = (
 
 
 @pytest.mark.slow
-def test_greedy_output_on_the_embedded_model_equals_the_float32_paths():
+def test_greedy_output_on_the_embedded_model_equals_the_float32_paths(embedded):
     """The embedded model served from its blocks and from float32 copies of them: the same greedy
     tokens, or a first divergence at a near-tie, whose logit gap (float32 path) is reported."""
-    from engine.config import EngineConfig
-    from engine.factory import load_engine
     from engine.request import Request
     from engine.sampling import SamplingParams
 
     outputs, engines = {}, {}
     for held in (True, False):
-        loaded = load_engine(EngineConfig(drafter="none", gguf_blocks=held, max_model_len=512), show_progress=False)
+        loaded = embedded(**{**EMBEDDED_FLOAT32, "gguf_blocks": held})
         engines[held] = loaded
         if held:
             assert "blocks" in loaded.engine.warm_up_report and "121/121 products" in loaded.engine.warm_up_report
@@ -361,10 +360,9 @@ def test_greedy_output_on_the_embedded_model_equals_the_float32_paths():
             prompt = loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             ids = loaded.tokenizer(prompt)["input_ids"]
             params = SamplingParams(max_tokens=48, temperature=0.0)
-            tokens = [t for out in loaded.engine.generate(Request(str(i), ids, params)) for t in out.token_ids]
+            request = Request(str(i), ids, params, drafter="none")
+            tokens = [t for out in loaded.engine.generate(request) for t in out.token_ids]
             outputs[held].append((ids, tokens))
-        if held:
-            del loaded, engines[held]  # one model in memory at a time
     float32 = engines[False].engine.target
     for (ids, from_blocks), (_, from_float32) in zip(outputs[True], outputs[False], strict=True):
         at = next((i for i, (a, b) in enumerate(zip(from_blocks, from_float32, strict=False)) if a != b), None)
@@ -386,11 +384,8 @@ def test_a_stored_plan_is_read_back_at_the_next_start_and_measured_again_on_requ
     # reading back is tested here, whatever else runs on the host: the test below keeps busy plans out
     monkeypatch.setattr(matmul_module, "UNDISTURBED_SHARE", 0.0)
     target = tiny_llama(seed=8, vocab_size=64)
-    file = quantize_in_place(target)
-    # copied before the first engine plans: a plan that holds a weight as blocks frees its dense copy
-    pristine = copy.deepcopy(target)
+    pristine = copy.deepcopy(target)  # copied before the first engine plans: a packed weight frees its dense copy
     first = tiny_engine(target, None).target
-    offer_blocks(first, file)
     cache = PlanCache(tmp_path)
     measured = first.weights.plan_matmuls(6, cache)
     assert len(list(tmp_path.glob("*.json"))) == 1
@@ -399,36 +394,40 @@ def test_a_stored_plan_is_read_back_at_the_next_start_and_measured_again_on_requ
         raise AssertionError("a stored plan matched: nothing to measure")
 
     again = tiny_engine(copy.deepcopy(pristine), None).target
-    offer_blocks(again, file)
     with monkeypatch.context() as patch:
         patch.setattr(MatmulPlan, "measure", no_measuring)
-        patch.setattr(matmul_module, "measure_direct_rows", no_measuring)
         assert again.weights.plan_matmuls(6, cache).choices == measured.choices
-    # the rows each shape's kernel takes came back with the plan, and the blocks held carry them
-    assert measured.direct_rows and again.weights.plan.direct_rows == measured.direct_rows
-    assert all(w.direct_rows == measured.direct_rows[w.crossing_key] for w in again.weights.blocks.values())
     assert "stored plan, measured" in again.weights.describe()  # the start-up line says it was read back
     assert "stored plan" not in first.weights.describe()
 
     def held(model) -> list[bool]:
         return [(id(module), name) in model.weights.prepared for module, name in model.weights.products]
 
-    assert held(again) == held(first)  # the weights held as blocks are the same ones
+    assert held(again) == held(first)  # the weights held packed are the same ones
     other_rows = tiny_engine(copy.deepcopy(pristine), None).target
-    with monkeypatch.context() as patch:  # another key (no blocks offered, other row counts): measured
+    with monkeypatch.context() as patch:  # another key (other row counts): measured
         patch.setattr(MatmulPlan, "measure", no_measuring)
         with pytest.raises(AssertionError, match="nothing to measure"):
             other_rows.weights.plan_matmuls(4, cache)
     remeasured = tiny_engine(copy.deepcopy(pristine), None).target
-    offer_blocks(remeasured, file)
     with monkeypatch.context() as patch:
         patch.setattr(MatmulPlan, "measure", no_measuring)
         with pytest.raises(AssertionError, match="nothing to measure"):
             remeasured.weights.plan_matmuls(6, PlanCache(tmp_path, remeasure=True))
     (next(tmp_path.glob("*.json"))).write_text("not json")  # unreadable: measured again, with a warning
     broken = tiny_engine(copy.deepcopy(pristine), None).target
-    offer_blocks(broken, file)
     assert broken.weights.plan_matmuls(6, cache).choices
+
+    # a GGUF target's products are held as its blocks, each row through the kernel at every row
+    # count: nothing to measure, nothing stored
+    blocks = tiny_engine(copy.deepcopy(pristine), None).target
+    offer_blocks(blocks, quantize_in_place(blocks.hf_model))
+    with monkeypatch.context() as patch:
+        patch.setattr(MatmulPlan, "measure", no_measuring)
+        patch.setattr(matmul_module, "measure_direct_rows", no_measuring)
+        blocks.weights.plan_matmuls(6, PlanCache(tmp_path / "blocks"))
+    assert not (tmp_path / "blocks").exists() or not list((tmp_path / "blocks").glob("*.json"))
+    assert all(held(blocks)) and all(weight.rows_alike for weight in blocks.weights.prepared.values())
 
 
 def test_a_plan_timed_while_other_processes_have_the_cores_is_not_stored(tmp_path, caplog):

@@ -323,3 +323,15 @@ def test_a_start_up_draft_cost_taken_on_a_busy_host_is_replaced_by_the_next_prob
     outputs = list(engine.generate(Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=48, temperature=0.0))))
     assert outputs[-1].stats.to_dict()["steps_by_drafter"].get("model", 0) >= 1  # a probe ran
     assert auto.draft_costs["model"].draft < 100 * measured  # and its timing replaced the start-up one
+
+
+def test_a_scopes_finished_requests_move_its_own_priors_and_no_other_scopes():
+    engine = auto_engine()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i in range(3):  # scope a's requests, each moving a's priors as it finishes
+        list(engine.generate(Request(f"a{i}", [5, 6, 7, 5, 6, 7, 5], params, tenant="a")))
+    auto = engine.drafter("auto")
+    auto.begin([1, 2], "b")
+    assert auto._request.priors == auto.priors  # b starts from start-up's priors
+    auto.begin([1, 2], "a")
+    assert auto._request.priors != auto.priors  # a starts from what its own requests measured

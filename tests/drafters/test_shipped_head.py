@@ -10,13 +10,12 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.drafters.eagle3_head import shipped_head
-from engine.factory import load_engine
 from engine.model.loader import EMBEDDED_NAME
 from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
 from engine.stats import SpecStats
+from tests.conftest import EMBEDDED_FLOAT32, EMBEDDED_INT8
 from tests.test_lossless import ALPHA, chi_square_pvalue
 
 SAMPLES = 300  # nine outcomes: enough to catch a sampler that drifts from the law, in about a minute idle
@@ -24,10 +23,9 @@ PARAMS = SamplingParams(max_tokens=2, temperature=1.0, top_k=3)
 
 
 @pytest.fixture(scope="module")
-def loaded():
+def loaded(embedded):
     assert (shipped_head(EMBEDDED_NAME) / "config.json").is_file(), "the shipped head is missing"
-    config = EngineConfig(drafter="eagle3", num_draft_tokens=2, max_model_len=512, device="cpu", forward="eager")
-    return load_engine(config, show_progress=False)
+    return embedded(**EMBEDDED_FLOAT32)
 
 
 def prompt_ids(loaded, text: str) -> list[int]:
@@ -72,13 +70,10 @@ def test_the_shipped_heads_samples_follow_the_targets_law(loaded):
     assert pvalue > ALPHA, f"samples with the shipped head differ from the target's law (p={pvalue:.2e})"
 
 
-def test_with_int8_activations_the_heads_greedy_output_is_the_int8_targets(loaded):
+def test_with_int8_activations_the_heads_greedy_output_is_the_int8_targets(loaded, embedded):
     """--activations int8 makes another target (llama.cpp's arithmetic): the head drafts for it and
     greedy output is its own target-only output, token for token, prompt rows and verify rows alike."""
-    config = EngineConfig(
-        drafter="eagle3", num_draft_tokens=4, max_model_len=512, device="cpu", forward="eager", activations="int8"
-    )
-    int8 = load_engine(config, show_progress=False).engine
+    int8 = embedded(**EMBEDDED_INT8).engine
     assert "int8 activations in 121/121" in int8.warm_up_report
     assert "blocks 35/35 (not measured)" in int8.warm_up_report  # every product through its blocks, untimed
     params = SamplingParams(max_tokens=40, temperature=0.0)

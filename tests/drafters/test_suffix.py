@@ -73,6 +73,15 @@ def test_the_shared_cache_is_bounded_and_forgets_the_oldest():
     assert cache.index("t").size == 2 * (1 + 2 + 3 + 4)  # n-grams of the last two outputs only
 
 
+def test_one_scopes_flood_evicts_its_own_outputs_first():
+    cache = OutputCache(max_requests=4)
+    cache.add("a", [1, 2, 3])
+    for start in range(100, 160, 5):
+        cache.add("b", list(range(start, start + 5)))
+    assert cache.recent("a") == [[1, 2, 3]] and len(cache.recent("b")) == 3
+    assert cache.index("a").longest_match([1, 2])[1] == {3: 1}
+
+
 def test_global_matching_can_be_turned_off():
     engine = tiny_engine(tiny_llama(seed=1, vocab_size=64), None, drafter="suffix", suffix_global=False)
     assert engine.drafter("suffix").cache is None

@@ -1,9 +1,15 @@
 // The eager forward of a CPU float32 model around its products, one op where torch launches several
 // (engine/model/kernels.py, engine/model/attention.py, engine/model/kv.py use them): specserve::rms_norm,
-// add_rms_norm, rotate, rotate_into_cache and decode_attention; and specserve::decode_layer, a whole
-// decoder layer of a decode or verify step whose products are all GGUF blocks, in one call. At a
-// decode step each reads and writes a few KB, so what they save is the launches (a norm is about
-// eight, a layer about forty), not arithmetic. The MLP's gate stays torch's silu and mul.
+// add_rms_norm, rotate, rotate_into_cache, silu_gate and decode_attention; and specserve::decode_layer,
+// a whole decoder layer of a decode or verify step whose products are all GGUF blocks, in one call.
+// At a decode step each reads and writes a few KB, so what they save is the launches (a norm is
+// about eight, a layer about forty), not arithmetic.
+//
+// Every op splits its work between threads by whole rows (a token's), never inside one, and computes
+// a row by the same instructions whatever rows come with it: a position's values are the same bits
+// in a prompt pass, a decode step or a verify, at any thread count. torch's silu splits a tensor by
+// elements, and the tail of each thread's share goes through scalar exp instead of the vector one,
+// so where the split falls (the thread count and the number of rows decide it) moved the last bit.
 //
 // rotate rounds as the eager ops do: no contraction into fused multiply-adds (the
 // pragma below), so a*b + c*d is two rounded products and a rounded sum, as torch's mul, mul and
@@ -14,8 +20,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/silu.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -88,6 +92,28 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, cons
   normalise(base.data_ptr<float>(), added.data_ptr<float>(), scale.data_ptr<float>(), total.data_ptr<float>(),
             out.data_ptr<float>(), base.numel() / std::max<int64_t>(1, width), width, eps);
   return {total, out};
+}
+
+// gate_up [..., 2I] (each row the gate's I values, then up's) -> silu(gate) * up [..., I], as
+// gate / (1 + exp(-gate)) * up, element by element by libm's expf; a row is one task's
+at::Tensor silu_gate(const at::Tensor& gate_up) {
+  check_float(gate_up, "gate_up");
+  const int64_t width = gate_up.size(-1), inner = width / 2;
+  TORCH_CHECK(width % 2 == 0, "gate_up's last dimension must be even (the gate's rows, then up's)");
+  const at::Tensor input = gate_up.contiguous();
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = inner;
+  at::Tensor out = at::empty(sizes, input.options());
+  const float* in = input.data_ptr<float>();
+  float* dest = out.data_ptr<float>();
+  at::parallel_for(0, input.numel() / std::max<int64_t>(1, width), grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float *gate = in + row * width, *up = gate + inner;
+      float* d = dest + row * inner;
+      for (int64_t i = 0; i < inner; ++i) d[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
 }
 
 // one head's row of D values, halves rotated as Llama's: x * cos + rotate_half(x) * sin
@@ -254,7 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   at::Tensor gate_up = at::empty({1, length, 2 * inner}, hidden.options());  // [1, T, 2I]
   at::Tensor gate_up_rows = gate_up.view({length, 2 * inner});
   specserve_blocks::blocks_times(x_mlp.view({length, width}), gate_up_blocks, gate_up_format, width, isa, gate_up_rows);
-  const at::Tensor gated = at::mul(at::silu(gate_up.narrow(-1, 0, inner)), gate_up.narrow(-1, inner, inner));  // [1, T, I]
+  const at::Tensor gated = silu_gate(gate_up);  // [1, T, I]
   at::Tensor mlp_out = at::empty({1, length, width}, hidden.options());
   at::Tensor mlp_rows = mlp_out.view({length, width});
   specserve_blocks::blocks_times(gated.view({length, inner}), down_blocks, down_format, inner, isa, mlp_rows);
@@ -268,6 +294,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor residual, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotate(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_gate(Tensor gate_up) -> Tensor");
   m.def("rotate_into_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int heads, "
         "int start) -> Tensor");
   m.def(
@@ -282,6 +309,7 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
   m.impl("rms_norm", specserve_forward::rms_norm);
   m.impl("add_rms_norm", specserve_forward::add_rms_norm);
   m.impl("rotate", specserve_forward::rotate);
+  m.impl("silu_gate", specserve_forward::silu_gate);
   m.impl("rotate_into_cache", specserve_forward::rotate_into_cache);
   m.impl("decode_attention", specserve_forward::decode_attention);
   m.impl("decode_layer", specserve_forward::decode_layer);
