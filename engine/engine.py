@@ -128,6 +128,7 @@ class SpecEngine:
             cache_bytes=self.cache_bytes,
             max_num_seqs=self.config.max_num_seqs,
             prefix_store_bytes=self.store.capacity,
+            activations=self.config.activations,
             warm_up=self.warm_up_report,
             system_fingerprint=self.system_fingerprint,
             generation_defaults=generation_defaults(self.target.hf_model, embedded=self.config.target is None),
@@ -149,7 +150,7 @@ class SpecEngine:
             self.store.save(slot.tenant, self.target.cache.token_ids[: slot.keep], positional(self.target))
         if slot.tenant is not None and slot.tenant != tenant:
             self.reset()
-        slot.tenant, slot.busy = tenant, True
+        slot.tenant, slot.busy, slot.prompt_len = tenant, True, len(prompt)
         self.slots.touch(slot)
 
     def remember(self, tenant: str, token_ids: list[int]) -> None:

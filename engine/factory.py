@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig, available_memory
 from .cpu.blocks import FileTensors, offer_blocks
-from .cpu.int8_blocks import int8_weight
+from .cpu.int8_blocks import auto_activations, held_activations, int8_activations
 from .cpu.plan_cache import PlanCache
 from .cpu.threads import set_threads, usable_cpus
 from .drafters import check_stages
@@ -83,7 +83,7 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
         engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer), models.target_file)
         progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
         progress(warm_up(engine).describe())
-        bits = arithmetic(engine.target, config.activations, config.forward_mode)
+        bits = arithmetic(engine.target, engine.config.activations, config.forward_mode)
         engine.system_fingerprint = system_fingerprint(bits, weight_files(models.target_folder, models.target_file))
     del models  # the draft copy that copy:auto did not keep, among what start-up no longer needs
     release_freed_memory()
@@ -119,8 +119,9 @@ def build_engine(
         )
     if target_file is not None and config.gguf_blocks and target.device.type == "cpu":
         release_freed_memory()  # the weights fusing replaced, before the file is read
-        repack = int8_weight if config.activations == "int8" else None
+        repack = {"int8": int8_activations, "auto": auto_activations}.get(config.activations)
         offer_blocks(target, FileTensors.read(target_file), repack)
+    config = replace(config, activations=held_activations(target))  # "auto" decided
     release_freed_memory()
     target.use_kernels(config.kernel_mode, config.compile_backend)  # before copy:auto times it
     draft = CausalLM(draft_model, max_len) if draft_model is not None else None

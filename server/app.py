@@ -110,6 +110,7 @@ def _card(request: Request) -> ModelCard:
         drafter_tokens_per_s=core.engine.drafter_speeds(),
         draft=described.draft,
         drafter_models=described.drafter_models,
+        activations=described.activations,
     )
 
 
@@ -256,6 +257,12 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
     return app
 
 
+# the target a GGUF file's blocks with int8 activations make (--activations), named where it is served
+INT8_TARGET = (
+    " weights with int8 activations (llama.cpp's arithmetic on the file's blocks; --activations float32: exact)"
+)
+
+
 def startup_summary(
     engine: EngineDescription, name: str, settings: ServeSettings, tenancy: Tenancy, defaults: dict
 ) -> str:
@@ -268,7 +275,7 @@ def startup_summary(
     draft_text += "".join(f" | {name}: {model}" for name, model in engine.drafter_models.items())
     return (
         f"ready: serving {name!r} at http://{settings.host}:{settings.port} | target on {engine.device}, "
-        f"{engine.dtype}, {torch.get_num_threads()} threads | draft {draft_text} | "
+        f"{engine.dtype}{INT8_TARGET if engine.activations == 'int8' else ''}, {torch.get_num_threads()} threads | draft {draft_text} | "
         f"drafter {drafter}, k={k}{engine.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
         f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB a slot, "
         f"{engine.max_num_seqs} slots (allocated on first use), prefix store up to "

@@ -163,6 +163,9 @@ class ModelCard(BaseModel):
     draft: str | None = None
     # models drafters run of their own, by drafter: {"eagle3": "EAGLE-3 head ... (9.8M params, ...)"}
     drafter_models: dict[str, str] = Field(default_factory=dict)
+    # what the target's products multiply on CPU: "int8" (a GGUF target's blocks as llama.cpp computes
+    # them, --activations) or "float32" (exact to the file's dequantized weights)
+    activations: str = "float32"
 
 
 class ModelList(BaseModel):

@@ -81,8 +81,8 @@ class ServeSettings(BaseSettings):
     )
     activations: Literal[ACTIVATIONS] = engine_field(
         "activations",
-        "what a GGUF target's Q4_0/Q4_1/Q8_0 products multiply on CPU: float32 activations (exact), or int8 per "
-        "block of 32 as llama.cpp does (faster, a slightly different model)",
+        "what a GGUF target's Q4_0/Q4_1/Q8_0 products multiply on CPU: float32 activations (exact), int8 per "
+        "block of 32 as llama.cpp does (a slightly different model), or auto: int8 where start-up measures it faster",
     )
     matmul_plan: Literal[PLAN_MODES] = engine_field(
         "matmul_plan",

@@ -39,6 +39,7 @@ EMBEDDED_FLOAT32 = {
     "max_model_len": 512,
     "device": "cpu",
     "forward": "eager",
+    "activations": "float32",
 }
 EMBEDDED_INT8 = {**EMBEDDED_FLOAT32, "num_draft_tokens": 4, "activations": "int8"}
 

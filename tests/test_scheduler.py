@@ -8,8 +8,11 @@ import asyncio
 import itertools
 from collections import Counter
 
+import pytest
+
 import engine.sampling as engine_sampling
 from engine.async_engine import AsyncEngine
+from engine.errors import ConfigError
 from engine.factory import warm_up
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -202,7 +205,7 @@ def test_a_side_request_leaves_the_conversation_its_slot_or_the_store():
     opening, conversation = [1, 2, 3], [1, 2, 3, *range(10, 70)]
     for slots, expected in ((2, len(conversation)), (1, 32 * (len(conversation) // 32))):
         engine = tiny_engine(target, draft, max_num_seqs=slots)
-        turns = [("c1", conversation), ("title", [*opening, 90, 91, 92]), ("c2", [*conversation, 5])]
+        turns = [("c1", conversation), ("title", [*opening, *range(80, 90)]), ("c2", [*conversation, 5])]
         results = serve(engine, [[Request(rid, prompt, GREEDY, tenant="a")] for rid, prompt in turns])
         assert results[2][1] == expected, slots
 
@@ -220,3 +223,9 @@ def test_a_compiled_static_forward_serves_every_slot_by_copy():
     for request, (tokens, _) in zip(requests, together, strict=True):
         assert tokens == alone(engine, Request("solo", request.prompt_ids, GREEDY, drafter="model"))
     assert engine.compilations == compiled  # no slot compiled anything again
+
+
+def test_slots_and_a_store_that_cannot_fit_are_refused_in_one_line():
+    target, _ = pair()
+    with pytest.raises(ConfigError, match=r"4 sequence slots .* prefix store need .* lower --max-num-seqs"):
+        tiny_engine(target, None, max_num_seqs=4, prefix_cache_gb=1e6)

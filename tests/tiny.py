@@ -20,9 +20,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+import engine.cpu.int8_blocks as int8_blocks
 from engine.config import EngineConfig
 from engine.cpu.blocks import FileTensors, offer_blocks
-from engine.cpu.int8_blocks import int8_weight
 from engine.cpu.matmul import BLOCKS, MatmulPlan
 from engine.drafters.medusa import MedusaHeads
 from engine.engine import SpecEngine
@@ -288,7 +288,7 @@ def setup_engine(
     engine = tiny_engine(target, draft if needs_draft else None, **kwargs, **options)
     if file is not None:  # every product through the blocks, at every row count
         weights = engine.target.weights
-        offer_blocks(engine.target, file, int8_weight if int8_activations else None)
+        offer_blocks(engine.target, file, int8_blocks.int8_activations if int8_activations else None)
         assert len(weights.blocks) == len(weights.products), weights.blocks_line
         weights.use_plan(MatmulPlan.uniform(BLOCKS, engine.config.num_draft_tokens + 2, weights.linear_weights()))
     if options["drafter"] == "auto":  # try another candidate every step: choices change mid-request

@@ -290,21 +290,18 @@ def match_blocks(
     return found, line
 
 
-def offer_blocks(model, file: FileTensors, repack: Callable[[BlockWeight], BlockWeight] | None = None) -> None:
+def offer_blocks(model, file: FileTensors, repack: Callable[[dict], tuple[dict, str]] | None = None) -> None:
     """Offer a CausalLM's plan the blocks ``file`` holds for its products (a line says what matched),
-    each passed through ``repack`` where given (engine/cpu/int8_blocks.py's ``int8_weight``: int8 activations)."""
+    passed through ``repack`` where given: found blocks -> (blocks to hold, what it did, for the
+    line); engine/cpu/int8_blocks.py's ``int8_activations`` and ``auto_activations`` are two."""
     try:
         products = [(module, name, model.weights.parts(module, name)) for module, name in model.weights.products]
         found, line = match_blocks(file, model.hf_model, products)
     except BlocksUnavailable as error:
         found, line = {}, f"float32 products: {error}"
-    if repack is not None:
-        found = {key: repack(weight) for key, weight in found.items()}
-        repacked = sum(all(part.format in INT8_FORMATS for part in weight.parts) for weight in found.values())
-        line += f"; int8 activations in {repacked}/{len(found)} (Q4_0, Q4_1 and Q8_0 blocks; the rest float32)"
-        if found and not torch.ops.specserve.blocks_has_vnni():
-            line += " by AVX2" if kernel_isa() >= 1 else " by portable code (slower than float32 activations)"
-            line += " (this CPU lacks AVX-512 VNNI)"
+    if repack is not None and found:
+        found, note = repack(found)
+        line += f"; {note}"
     log.info("GGUF blocks: %s", line)
     model.weights.offer_blocks(found, line)
 

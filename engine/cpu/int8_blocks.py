@@ -6,9 +6,11 @@ decode to the same weights (``BlockWeight.dense``)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from .blocks import FORMATS, INT8_Q4, INT8_Q8, INT8_ROWS, BlockPart, BlockWeight
+from .blocks import FORMATS, INT8_FORMATS, INT8_Q4, INT8_Q8, INT8_ROWS, BlockPart, BlockWeight, kernel_isa
 
 
 def int8_weight(weight: BlockWeight) -> BlockWeight:
@@ -56,3 +58,55 @@ def int8_part(part: BlockPart, in_features: int) -> BlockPart | None:
 
     packed = torch.cat([values.reshape(num_groups, num_blocks, -1), by_lane(scale), by_lane(shift)], -1)
     return BlockPart(packed.reshape(num_groups, -1).contiguous(), INT8_Q4 if nibbles is not None else INT8_Q8)
+
+
+FASTER = 0.97  # int8 activations are chosen where their products take at most this share of float32's time
+
+
+def int8_activations(found: dict) -> tuple[dict, str]:
+    """``offer_blocks``' repack for ``--activations int8``: every product that can be, repacked."""
+    found = {key: int8_weight(weight) for key, weight in found.items()}
+    repacked = sum(all(part.format in INT8_FORMATS for part in weight.parts) for weight in found.values())
+    note = f"int8 activations in {repacked}/{len(found)} (Q4_0, Q4_1 and Q8_0 blocks; the rest float32)"
+    if not torch.ops.specserve.blocks_has_vnni():
+        note += " by AVX2" if kernel_isa() >= 1 else " by portable code (slower than float32 activations)"
+        note += " (this CPU lacks AVX-512 VNNI)"
+    return found, note
+
+
+def auto_activations(found: dict) -> tuple[dict, str]:
+    """``offer_blocks``' repack for ``--activations auto``: int8 where ``faster_activations`` says so."""
+    chosen, measured = faster_activations(found)
+    if chosen == "float32":
+        return found, measured
+    found, note = int8_activations(found)
+    return found, f"{measured}; {note}"
+
+
+def held_activations(model) -> str:
+    """What a CausalLM's block products multiply: "int8" where any holds repacked parts."""
+    held = model.weights.blocks.values()
+    return "int8" if any(part.format in INT8_FORMATS for weight in held for part in weight.parts) else "float32"
+
+
+def faster_activations(found: dict, rows: tuple[int, ...] = (1, 5), repeats: int = 7) -> tuple[str, str]:
+    """Time the model's largest product with float32 and with int8 activations, at a decode step's
+    rows and a verify's, best of ``repeats`` each, taking turns; -> ("int8" or "float32", a line
+    saying what was measured). float32 where no product can be repacked."""
+    candidates = [weight for weight in found.values() if any(int8_part(p, weight.in_features) for p in weight.parts)]
+    if not candidates:
+        return "float32", "activations auto: float32 (no Q4_0, Q4_1 or Q8_0 product to repack)"
+    weight = max(candidates, key=lambda weight: weight.nbytes)
+    forms = {"float32": weight, "int8": int8_weight(weight)}
+    best = dict.fromkeys(forms, float("inf"))
+    inputs = [torch.randn(n, weight.in_features) for n in rows]
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, form in forms.items():
+                started = time.perf_counter()
+                for x in inputs:
+                    form.linear(x)
+                best[name] = min(best[name], time.perf_counter() - started)
+    ratio = best["int8"] / best["float32"]
+    chosen = "int8" if ratio <= FASTER else "float32"
+    return chosen, f"activations auto: {chosen} (int8 products measured at {ratio:.2f}x float32's here)"

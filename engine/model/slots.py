@@ -22,7 +22,7 @@ import torch
 
 from .kv import KVCache
 
-CONTINUES = 0.5  # a prompt continues a slot's sequence when it shares at least this share of it
+CONTINUES = 0.5  # a slot is taken for a prompt when it already holds at least this share of it
 
 
 def _fresh(value: Any) -> Any:
@@ -54,6 +54,7 @@ class Slot:
     busy: bool = False  # a request runs in it now
     last_used: int = 0  # a tick of the table's clock, for least-recently-used choice
     keep: int = 0  # how many of its tokens may go to the prefix store (the prompt and what was delivered)
+    prompt_len: int = 0  # its last request's prompt
 
 
 @dataclass(eq=False)
@@ -132,18 +133,20 @@ class SlotTable:
         return n
 
     def choose(self, tenant: str, prompt: list[int]) -> Slot | None:
-        """A free slot for a request of ``tenant``: of those whose sequence the prompt continues
-        (it shares at least ``CONTINUES`` of what the slot holds), the one sharing the longest
-        prefix; else the least recently used (one never used first), so that a side request (a chat
-        front end's title request, whose prompt shares only the template's opening) does not
-        displace the conversation. None when every slot is busy."""
+        """A free slot for a request of ``tenant``: of those already holding at least ``CONTINUES``
+        of its prompt, or their last request's whole prompt, the one holding the most; else the
+        least recently used (one never used first). So a next turn, a regenerated answer or an
+        agent's next call finds its slot, and a side request (a chat front end's title request,
+        whose prompt shares only the template's opening with the conversation) does not displace
+        the conversation. None when every slot is busy."""
         free = [slot for slot in self.slots if not slot.busy]
         if not free:
             return None
         continued = [
             (shared, slot)
             for slot in free
-            if (shared := self.shared(slot, tenant, prompt)) > 0 and shared >= CONTINUES * len(self.tokens(slot))
+            if (shared := self.shared(slot, tenant, prompt)) > 0
+            and (shared >= CONTINUES * len(prompt) or shared >= slot.prompt_len)
         ]
         if continued:
             return max(continued, key=lambda pair: (pair[0], pair[1].last_used))[1]

@@ -480,9 +480,29 @@ def test_int8_activations_are_refused_where_they_cannot_apply():
     from engine.config import EngineConfig
     from engine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="activations must be one of float32, int8"):
+    with pytest.raises(ConfigError, match="activations must be one of auto, float32, int8"):
         EngineConfig(activations="int4")
     with pytest.raises(ConfigError, match="needs gguf_blocks"):
         EngineConfig(activations="int8", gguf_blocks=False)
     with pytest.raises(ConfigError, match="GGUF target.s own quantized blocks"):
         tiny_engine(tiny_llama(seed=1, vocab_size=64), None, activations="int8")  # not read from a GGUF file
+    assert tiny_engine(tiny_llama(seed=1, vocab_size=64), None).config.activations == "float32"  # auto: no blocks
+
+
+def test_auto_activations_take_int8_only_where_start_up_measures_it_faster(monkeypatch, caplog):
+    """The decision is the measurement's: forced either way by the threshold, the model holds int8
+    or float32 blocks accordingly, and the blocks line says what was measured."""
+    import engine.cpu.int8_blocks as int8_blocks
+    from engine.cpu.blocks import INT8_FORMATS
+    from engine.cpu.int8_blocks import auto_activations, held_activations
+
+    for threshold, expected in ((100.0, "int8"), (0.0, "float32")):
+        monkeypatch.setattr(int8_blocks, "FASTER", threshold)
+        model = tiny_engine(tiny_llama(seed=1, vocab_size=64, hidden=64), None).target
+        caplog.clear()
+        with caplog.at_level("INFO", logger="engine.cpu.blocks"):
+            offer_blocks(model, quantize_in_place(model.hf_model, ("Q4_0", "Q8_0")), auto_activations)
+        assert held_activations(model) == expected
+        assert f"activations auto: {expected} (int8 products measured at" in caplog.text
+        formats = {part.format for weight in model.weights.blocks.values() for part in weight.parts}
+        assert bool(formats & set(INT8_FORMATS)) == (expected == "int8"), formats

@@ -35,7 +35,9 @@ def three_ways(target, sequence: list[int]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 def test_a_positions_logits_are_the_same_bits_however_its_rows_are_grouped(activations, embedded):
-    target = embedded(**(EMBEDDED_INT8 if activations == "int8" else EMBEDDED_FLOAT32)).engine.target
+    engine = embedded(**(EMBEDDED_INT8 if activations == "int8" else EMBEDDED_FLOAT32)).engine
+    assert engine.description.activations == activations  # what the start-up line and /v1/models say
+    target = engine.target
     assert target.weights.rows_alike and target.kernels.native
     sequence = torch.randint(0, target.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(0)).tolist()
     threads, kernels = torch.get_num_threads(), target.kernels
