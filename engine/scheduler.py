@@ -53,6 +53,7 @@ class Scheduler:
         self.active: deque[Run] = deque()  # in a slot, waiting for their turn
         self.current: Run | None = None  # whose slot and drafter state are installed now
         self._delivered: dict[str, tuple[Slot, int]] = {}  # request id -> (its slot, its prompt's length)
+        self.stopping = False  # told to stop: admit nothing more, let the running requests end
 
     @property
     def running(self) -> int:
@@ -60,7 +61,8 @@ class Scheduler:
 
     def run(self) -> None:
         while self._take():
-            self._admit()
+            if not self.stopping:
+                self._admit()
             if self.active:
                 self._turn()
 
@@ -77,7 +79,10 @@ class Scheduler:
             slot.keep = prompt_len + num_output
 
     def _take(self) -> bool:
-        """Move arrivals to the waiting line, blocking while there is nothing to do. False: stop."""
+        """Move arrivals to the waiting line, blocking while there is nothing to do. False: stop,
+        once the requests running when told to (aborted by then) have ended."""
+        if self.stopping:
+            return bool(self.active)
         block = not self.active and not self.waiting
         while True:
             try:
@@ -85,7 +90,12 @@ class Scheduler:
             except queue.Empty:
                 return True
             if job is None:
-                return False
+                self.stopping = True
+                for waiting in self.waiting:
+                    waiting.send(StepOutput([], "abort"))
+                    self.finished(waiting)
+                self.waiting.clear()
+                return bool(self.active)
             self.waiting.append(job)
             block = False
 

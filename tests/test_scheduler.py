@@ -229,3 +229,29 @@ def test_slots_and_a_store_that_cannot_fit_are_refused_in_one_line():
     target, _ = pair()
     with pytest.raises(ConfigError, match=r"4 sequence slots .* prefix store need .* lower --max-num-seqs"):
         tiny_engine(target, None, max_num_seqs=4, prefix_cache_gb=1e6)
+
+
+def test_a_shutdown_ends_every_running_and_waiting_request():
+    target, draft = pair()
+    engine = tiny_engine(target, draft, max_num_seqs=2, max_model_len=512)
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[str | None]:
+        client = AsyncEngine(lambda: engine)
+        await client.ready()
+        started = asyncio.Event()
+
+        async def last_finish(i: int) -> str | None:
+            last = None
+            async for output in client.generate(Request(f"s{i}", [i + 1, 2, 3], long, tenant=f"t{i}")):
+                started.set()
+                last = output.finish_reason
+            return last
+
+        tasks = [asyncio.create_task(last_finish(i)) for i in range(3)]  # two run, the third waits
+        await started.wait()
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(client.shutdown, 10)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 30)  # a request left running would hang here
+
+    assert asyncio.run(run()) == ["abort", "abort", "abort"]
