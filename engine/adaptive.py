@@ -120,8 +120,8 @@ class ScopePriors:
     def of(self, scope: str) -> dict[str, float]:
         return dict(self._by_scope.get(scope, self.start))
 
-    def fold(self, scope: str, alpha: dict[str, float], tracks) -> bool:
-        """A finished request of ``scope`` measured ``alpha`` on ``tracks``: move its priors (True)."""
+    def fold(self, scope: str, alpha: dict[str, float], tracks) -> None:
+        """A finished request of ``scope`` measured ``alpha`` on ``tracks``: move its priors."""
         priors = self._by_scope.pop(scope, None) or dict(self.start)
         for track in tracks:
             if track in priors:
@@ -129,4 +129,3 @@ class ScopePriors:
         self._by_scope[scope] = priors  # most recent last
         while len(self._by_scope) > self.max_scopes:
             self._by_scope.popitem(last=False)
-        return True

@@ -65,8 +65,8 @@ class EngineConfig:
     # A GGUF target on CPU may hold its products as the file's own quantized blocks, multiplied in
     # float32 by engine/cpu/csrc's kernels, where the matmul plan measures them faster (engine/cpu/blocks.py)
     gguf_blocks: bool = True
-    # one of ACTIVATIONS; "int8" needs gguf_blocks. float32 by default: with int8 activations the embedded
-    # model's answers ran on more often at its defaults (the README's question: 5 of 10 seeds ended briefly, 10 of 10)
+    # one of ACTIVATIONS; "int8" needs gguf_blocks. float32 by default: at the embedded model's defaults the int8
+    # target's answer to the README's question ended briefly for 5 of seeds 0-9, the float32 target's for all 10
     activations: str = "float32"
     # CPU matmul plans (engine/cpu/plan_cache.py): "cached" reads the plan stored for this host and model
     # where there is one (else measures and stores it), "measure" measures and replaces it;

@@ -79,10 +79,10 @@ class EngineDescription:
     weight_bytes: int
     cache_bytes: int  # one slot's KV caches
     warm_up: str  # how the forwards were prepared at start-up (empty if they were not)
-    system_fingerprint: str = ""
+    system_fingerprint: str = ""  # a digest of what decides the logits' bits ("": not computed)
     max_num_seqs: int = 1
     prefix_store_bytes: int = 0
-    activations: str = "float32"  # what a GGUF target's block products multiply (ACTIVATIONS, once decided)  # a digest of what decides the logits' bits ("": not computed)
+    activations: str = "float32"  # what a GGUF target's block products multiply (ACTIVATIONS, once decided)
     # models drafters run of their own (an EAGLE-3 head), described, by drafter name
     drafter_models: dict[str, str] = field(default_factory=dict)
     # request defaults the model's generation config sets, by request field ("temperature", "max_tokens", ...)

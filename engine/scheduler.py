@@ -52,7 +52,6 @@ class Scheduler:
         self.waiting: deque[Any] = deque()  # arrived, not yet in a slot
         self.active: deque[Run] = deque()  # in a slot, waiting for their turn
         self.current: Run | None = None  # whose slot and drafter state are installed now
-        self._delivered: dict[str, tuple[Slot, int]] = {}  # request id -> (its slot, its prompt's length)
         self.stopping = False  # told to stop: admit nothing more, let the running requests end
 
     @property
@@ -74,9 +73,9 @@ class Scheduler:
     def delivered(self, request_id: str, num_output: int) -> None:
         """A client received ``num_output`` tokens of a finished request: that much of its output
         may go to the prefix store with its prompt, if its slot still holds it."""
-        slot, prompt_len = self._delivered.pop(request_id, (None, 0))
-        if slot is not None and not slot.busy and slot.keep == prompt_len:
-            slot.keep = prompt_len + num_output
+        for slot in self.engine.slots.slots:
+            if slot.request_id == request_id and not slot.busy and slot.tenant is not None:
+                slot.keep = slot.prompt_len + num_output
 
     def _take(self) -> bool:
         """Move arrivals to the waiting line, blocking while there is nothing to do. False: stop,
@@ -114,6 +113,7 @@ class Scheduler:
             self.waiting.popleft()
             self._switch(None)
             self.engine.admit(slot, job.request.tenant, list(job.request.prompt_ids))
+            slot.request_id = job.request.request_id
             outputs = self.engine.generate(job.request, job.aborted.is_set, self._crowded)
             run = Run(job, slot, outputs)
             self.active.append(run)
@@ -159,12 +159,9 @@ class Scheduler:
     def _close(self, run: Run) -> None:
         if self.current is run:
             self.current = None
-        slot, prompt_len = run.slot, len(run.job.request.prompt_ids)
+        slot = run.slot
         slot.busy = False
         if slot.tenant is not None:  # its prompt may be stored; its output once its client received it
-            slot.keep = prompt_len
-            self._delivered[run.job.request.request_id] = (slot, prompt_len)
-            while len(self._delivered) > 4 * len(self.engine.slots.slots):
-                self._delivered.pop(next(iter(self._delivered)))
+            slot.keep = slot.prompt_len
         self.engine.slots.touch(slot)
         self.finished(run.job)

@@ -255,3 +255,25 @@ def test_a_shutdown_ends_every_running_and_waiting_request():
         return await asyncio.wait_for(asyncio.gather(*tasks), 30)  # a request left running would hang here
 
     assert asyncio.run(run()) == ["abort", "abort", "abort"]
+
+
+def test_the_store_keeps_a_reused_slots_prompt_and_only_what_its_client_received():
+    """A 40-token prompt and 60 generated tokens, of which the client received 30: the store keeps
+    two whole blocks of prompt and delivered output (70 positions), not the first block alone (the
+    prompt) nor a third that the undelivered tokens would complete."""
+    target, draft = pair()
+    engine = tiny_engine(target, draft, max_num_seqs=1)
+    prompt, params = list(range(10, 50)), SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        client = AsyncEngine(lambda: engine)
+        await client.ready()
+        tokens = [t async for o in client.generate(Request("a", prompt, params, tenant="a")) for t in o.token_ids]
+        client.remember("a", tokens[:30], "a")
+        async for _ in client.generate(Request("b", [1, 2], GREEDY, tenant="b")):  # takes a's slot
+            pass
+        client.shutdown(timeout=10)
+
+    asyncio.run(run())
+    block = engine.target.cache.nbytes * 32 // engine.max_model_len  # the target's keys and values
+    assert engine.store.scope_bytes("a") == 2 * block

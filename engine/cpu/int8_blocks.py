@@ -22,6 +22,12 @@ def int8_weight(weight: BlockWeight) -> BlockWeight:
     return BlockWeight(parts, weight.in_features, weight.bias, weight.isa, rows_alike=True)
 
 
+def repackable(part: BlockPart) -> bool:
+    """Whether ``int8_part`` takes ``part`` by its format and rows (it also refuses a scale too large
+    for float16 once shifted)."""
+    return part.format in (FORMATS["Q4_0"], FORMATS["Q4_1"], FORMATS["Q8_0"]) and not part.rows % INT8_ROWS
+
+
 def int8_part(part: BlockPart, in_features: int) -> BlockPart | None:
     """Q4_0, Q4_1 or Q8_0 ``part`` [O, row bytes] (O a multiple of 16) repacked for
     engine/cpu/csrc/blocks_int8.cpp, else None: per group of 16 rows and block of 32 inputs, the rows'
@@ -29,7 +35,7 @@ def int8_part(part: BlockPart, in_features: int) -> BlockPart | None:
     4 * row + j; Q4's operands 2 s and 2 s + 1 share bytes, low and high nibbles), then the 16 rows'
     d and m as float16, w = d * q + m: as [O / 16, 320 * I / 32] (INT8_Q4; Q4_0: m = -8 d) or
     [O / 16, 576 * I / 32] (INT8_Q8: q + 128, m = -128 d) uint8."""
-    if part.format not in (FORMATS["Q4_0"], FORMATS["Q4_1"], FORMATS["Q8_0"]) or part.rows % INT8_ROWS:
+    if not repackable(part):
         return None
     num_groups, num_blocks = part.rows // INT8_ROWS, in_features // 32
     blocks = part.blocks.view(part.rows, num_blocks, -1)  # [O, B, block bytes]
@@ -93,7 +99,7 @@ def faster_activations(found: dict, rows: tuple[int, ...] = (1, 5), repeats: int
     """Time the model's largest product with float32 and with int8 activations, at a decode step's
     rows and a verify's, best of ``repeats`` each, taking turns; -> ("int8" or "float32", a line
     saying what was measured). float32 where no product can be repacked."""
-    candidates = [weight for weight in found.values() if any(int8_part(p, weight.in_features) for p in weight.parts)]
+    candidates = [weight for weight in found.values() if any(repackable(part) for part in weight.parts)]
     if not candidates:
         return "float32", "activations auto: float32 (no Q4_0, Q4_1 or Q8_0 product to repack)"
     weight = max(candidates, key=lambda weight: weight.nbytes)

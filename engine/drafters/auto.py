@@ -81,8 +81,8 @@ class _Choice:
 class _Request:
     alpha: dict[str, float] = field(default_factory=dict)  # each track's acceptance estimate now
     priors: dict[str, float] = field(default_factory=dict)  # what it started from: its scope's priors
-    tenant: str = ""  # its scope, whose priors its acceptance moves once (``folded``)
-    folded: bool = False
+    tenant: str = ""  # its scope, whose priors its acceptance moves once
+    folded: bool = False  # whether it has moved them
     # per track: (accepted tokens, rejections) seen this request, older steps faded
     evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
     # per track: (tokens its steps yielded, tokens the geometric estimate expected), faded: the ratio corrects it
@@ -115,10 +115,9 @@ class AutoDrafter(Drafter):
         self._choice: _Choice | None = None
 
     def warm_up(self) -> None:
-        """Price the candidates before the first request: the target's forward over k + 1 tokens for
-        each k (best of two each, on a robust line: readings scatter by 10-15%, and a high one would
-        keep its k from ever being tried), the draft model's step, its catch-up costs and its
-        agreement with the target (unless start-up measured that already)."""
+        """Price the candidates before the first request: the target's forward over k + 1 tokens for each k (best
+        of two, on a robust line: readings scatter by 10-15%, and a high one would keep its k from ever being
+        tried), the draft model's step, its catch-up costs, its agreement with the target (unless measured)."""
         if self.resources is None:
             return
         target, draft, config = self.resources.target, self.resources.draft, self.resources.config
@@ -146,7 +145,8 @@ class AutoDrafter(Drafter):
             candidate.begin(prompt_ids, tenant)
         finished = self._request  # the last request begun here (each moves its scope's priors once)
         if not finished.folded and finished.last_tried:
-            finished.folded = self.scope_priors.fold(finished.tenant, finished.alpha, finished.last_tried)
+            finished.folded = True
+            self.scope_priors.fold(finished.tenant, finished.alpha, finished.last_tried)
         priors = self.scope_priors.of(tenant)
         self._request = _Request(alpha=dict(priors), priors=priors, tenant=tenant)
         self._choice = None

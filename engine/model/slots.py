@@ -55,6 +55,7 @@ class Slot:
     last_used: int = 0  # a tick of the table's clock, for least-recently-used choice
     keep: int = 0  # how many of its tokens may go to the prefix store (the prompt and what was delivered)
     prompt_len: int = 0  # its last request's prompt
+    request_id: str = ""  # its last request
 
 
 @dataclass(eq=False)
@@ -77,24 +78,11 @@ class SlotTable:
     def _current(holder: Any) -> dict[str, Any]:
         return {name: getattr(holder, name) for name in holder.sequence_fields}
 
-    def add_holder(self, holder: Any) -> None:
-        """A holder built after the table (an EAGLE-3 head a drafter loaded later)."""
-        if any(existing is holder for existing in self.holders):
-            return
-        self.holders.append(holder)
-        for slot in self.slots:
-            if slot.states is not None:
-                live = self._current(holder)
-                fresh = {name: _fresh(value) for name, value in live.items()}
-                slot.states.append(live if slot is self.bound and not self.copy else fresh)
-
-    def tokens(self, slot: Slot) -> list[int]:
-        """The token ids the slot's target cache holds (the first holder is the target)."""
+    def _target_cache(self, slot: Slot) -> KVCache | None:
+        """The slot's target cache (the first holder is the target); None before its first use."""
         if slot.states is None:
-            return []
-        if slot is self.bound and self.copy:
-            return self.holders[0].cache.token_ids
-        return slot.states[0]["cache"].token_ids
+            return None
+        return self.holders[0].cache if slot is self.bound and self.copy else slot.states[0]["cache"]
 
     @torch.inference_mode()
     def bind(self, slot: Slot) -> None:
@@ -124,13 +112,10 @@ class SlotTable:
 
     def shared(self, slot: Slot, tenant: str, prompt: list[int]) -> int:
         """How many leading tokens of ``prompt`` the slot holds for ``tenant`` (at most all but the last)."""
-        if slot.tenant != tenant:
+        cache = self._target_cache(slot)
+        if slot.tenant != tenant or cache is None:
             return 0
-        held = self.tokens(slot)
-        limit, n = min(len(held), len(prompt) - 1), 0
-        while n < limit and held[n] == prompt[n]:
-            n += 1
-        return n
+        return cache.matching(prompt, 0, min(cache.length, len(prompt) - 1))
 
     def choose(self, tenant: str, prompt: list[int]) -> Slot | None:
         """A free slot for a request of ``tenant``: of those already holding at least ``CONTINUES``
