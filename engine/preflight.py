@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .config import COPY_PREFIX, NO_DRAFTER, ConfigError, EngineConfig
+from .config import COPY_PREFIX, NO_DRAFTER, ConfigError, EngineConfig, available_memory
 from .drafters import available, check_stages
 from .drafters.medusa import check_checkpoint
 from .model.loader import locate
@@ -92,4 +92,9 @@ def preflight(config: EngineConfig) -> list[str]:
             check_checkpoint(Path(config.medusa_heads))
         except ConfigError as exc:
             problems.append(f"medusa_heads: {exc}")
+    if config.prefix_cache_bytes > (have := available_memory()):  # the slots are checked once their size is known
+        problems.append(
+            f"prefix_cache_gb {config.prefix_cache_gb:g} is more than the {have / 2**30:.1f} GB of memory available; "
+            "lower --prefix-cache-gb"
+        )
     return problems

@@ -68,6 +68,7 @@ def test_a_gpu_preset_on_this_machine_says_what_it_needs(tmp_path):
         (["--medusa-heads", "no-such-dir"], "medusa_heads: no Medusa head checkpoint at no-such-dir"),
         (["--device", "cuda"], "device 'cuda': no CUDA GPU can be used"),
         (["--threads", "0"], "threads"),
+        (["--prefix-cache-gb", "100000"], "prefix_cache_gb 100000 is more than the"),
     ],
 )
 def test_setting_mistakes_are_caught_before_the_model_loads(args, message):
