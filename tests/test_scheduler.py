@@ -57,11 +57,13 @@ def pair(seed: int = 3, vocab: int = 96):
     return target, perturbed_copy(target, noise=0.02, seed=seed + 1)
 
 
-def test_four_interleaved_requests_each_get_the_text_they_get_alone():
+@pytest.mark.parametrize("draft_kv", ["own", "target"])
+def test_four_interleaved_requests_each_get_the_text_they_get_alone(draft_kv):
     """Greedy and seeded, under four drafters, one prompt longer than a prefill chunk; the steps
-    really alternate between the requests."""
+    really alternate between the requests. With ``draft_kv`` "target" (a copy draft's default) the
+    draft copies keys and values from the target's cache of each slot."""
     target, draft = pair()
-    engine = tiny_engine(target, draft, max_num_seqs=4, prefill_chunk=8)
+    engine = tiny_engine(target, draft, max_num_seqs=4, prefill_chunk=8, draft_kv=draft_kv)
     prompts = [list(range(5, 45)), [7, 8, 9, 7, 8, 9, 7], [60, 61, 62, 63], [30, 31, 30, 31, 30]]
     drafters = ["model", "suffix", "auto", "staged"]
     requests = [
