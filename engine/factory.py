@@ -77,10 +77,12 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
             bar.set_postfix_str(done)  # e.g. "target 135M params, 513 MB float32 on cpu"
             bar.update(1)
 
-        models = load(config, progress)
+        models = load(config, progress, direct=True)
         tokenizer, name = models.tokenizer, models.target_name
         eos = eos_token_ids(models.target, models.tokenizer)
-        engine = build_engine(config, models.target, models.draft, eos, len(models.tokenizer), models.target_file)
+        engine = build_engine(
+            config, models.target, models.draft, eos, len(models.tokenizer), models.target_file, models.target_blocks
+        )
         progress(f"KV caches {engine.cache_bytes / 2**20:,.0f} MB")
         progress(warm_up(engine).describe())
         bits = arithmetic(engine.target, engine.config.activations, config.forward_mode)
@@ -106,6 +108,7 @@ def build_engine(
     eos_token_ids: set[int],
     tokenizer_size: int | None = None,
     target_file: Path | None = None,
+    target_blocks: FileTensors | None = None,
 ) -> SpecEngine:
     """Wrap loaded Hugging Face models: caches are sized once, here, and reused for every request.
     The engine owns them from now on: on CPU its warm-up may hold their weights in another form and
@@ -120,7 +123,7 @@ def build_engine(
     if target_file is not None and config.gguf_blocks and target.device.type == "cpu":
         release_freed_memory()  # the weights fusing replaced, before the file is read
         repack = {"int8": int8_activations, "auto": auto_activations}.get(config.activations)
-        offer_blocks(target, FileTensors.read(target_file), repack)
+        offer_blocks(target, target_blocks or FileTensors.read(target_file), repack)
     config = replace(config, activations=held_activations(target))  # "auto" decided
     release_freed_memory()
     target.use_kernels(config.kernel_mode, config.compile_backend)  # before copy:auto times it

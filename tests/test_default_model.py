@@ -277,7 +277,7 @@ def test_the_log_has_plain_lines_and_load_times(default_server):
     log = default_server.log.read_text()
     assert "\r" not in log and "de-quantizing" not in log and "Loading weights" not in log  # no library bars
     assert re.search(r"loaded SmolLM2-135M-Instruct: .* in \d+\.\d s", log)
-    # every product of the target can read the file's own blocks, each proven equal to the loaded weight
+    # every product of the target reads the file's own blocks (the target is built from the file)
     assert "GGUF blocks: 121/121 products can read GGUF blocks (Q4_1, Q8_0; " in log
     assert re.search(r"loaded draft copy:auto: .* in \d+\.\d s", log)
     chosen = re.search(r"draft copy:auto chose (int8|bfloat16|none) \((step|the target alone: step) [\d.]+ ms", log)

@@ -23,7 +23,6 @@ from transformers import (
 import engine.cpu.int8_blocks as int8_blocks
 from engine.config import EngineConfig
 from engine.cpu.blocks import FileTensors, offer_blocks
-from engine.cpu.matmul import BLOCKS, MatmulPlan
 from engine.drafters.medusa import MedusaHeads
 from engine.engine import SpecEngine
 from engine.factory import build_engine
@@ -290,7 +289,7 @@ def setup_engine(
         weights = engine.target.weights
         offer_blocks(engine.target, file, int8_blocks.int8_activations if int8_activations else None)
         assert len(weights.blocks) == len(weights.products), weights.blocks_line
-        weights.use_plan(MatmulPlan.uniform(BLOCKS, engine.config.num_draft_tokens + 2, weights.linear_weights()))
+        assert len(weights.prepared) == len(weights.products)  # held from the offer on
     if options["drafter"] == "auto":  # try another candidate every step: choices change mid-request
         engine.drafter("auto").probe_every = 1
     if setup == "model-cutoff-on-device":

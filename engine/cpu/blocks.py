@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -227,23 +228,24 @@ def decode(part: BlockPart, in_features: int, isa: int) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class FileTensors:
-    """A GGUF file's quantized tensors: name -> (GGML type id, blocks [O, row bytes] uint8), and its architecture."""
+    """A GGUF file's tensors in formats the kernels decode: name -> (GGML type id, blocks [O, row
+    bytes] uint8, rows in the checkpoint's order), and its architecture."""
 
     arch: str
     tensors: dict[str, tuple[int, torch.Tensor]]
 
     @classmethod
-    def read(cls, path: Path) -> FileTensors:
-        import gguf
+    def read(cls, source) -> FileTensors:
+        """``source``: a path, or a GGUFFile (engine/cpu/gguf_file.py) already open."""
+        from .gguf_file import GGUFFile
 
-        reader = gguf.GGUFReader(path)  # memory-mapped; the blocks are copied out below
-        field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
-        tensors = {
-            tensor.name: (int(tensor.tensor_type), torch.from_numpy(tensor.data.copy()))
-            for tensor in reader.tensors
-            if int(tensor.tensor_type) in FORMATS.values()
-        }
-        return cls(field.contents() if field is not None else "", tensors)
+        file = source if isinstance(source, GGUFFile) else GGUFFile(source)
+        tensors = {}
+        for name, info in file.tensors.items():
+            if info.type in FORMATS.values():
+                tensors[name] = (info.type, torch.from_numpy(np.array(file.raw(name))))  # copied out of the map
+                file.forget(name)
+        return cls(file.arch, tensors)
 
 
 def match_blocks(
@@ -293,7 +295,8 @@ def match_blocks(
 def offer_blocks(model, file: FileTensors, repack: Callable[[dict], tuple[dict, str]] | None = None) -> None:
     """Offer a CausalLM's plan the blocks ``file`` holds for its products (a line says what matched),
     passed through ``repack`` where given: found blocks -> (blocks to hold, what it did, for the
-    line); engine/cpu/int8_blocks.py's ``int8_activations`` and ``auto_activations`` are two."""
+    line); engine/cpu/int8_blocks.py's ``int8_activations`` and ``auto_activations`` are two.
+    ``file`` is spent: the model holds what it uses (q, k and v stacked as one copy), the rest goes."""
     try:
         products = [(module, name, model.weights.parts(module, name)) for module, name in model.weights.products]
         found, line = match_blocks(file, model.hf_model, products)
@@ -302,6 +305,7 @@ def offer_blocks(model, file: FileTensors, repack: Callable[[dict], tuple[dict, 
     if repack is not None and found:
         found, note = repack(found)
         line += f"; {note}"
+    file.tensors.clear()
     log.info("GGUF blocks: %s", line)
     model.weights.offer_blocks(found, line)
 
@@ -324,9 +328,11 @@ def _format_name(format: int) -> str:
 def _matching_part(format: int, blocks: torch.Tensor, weight: torch.Tensor, isa: int) -> BlockPart | None:
     """``blocks`` [O, row bytes], rows in ``weight``'s order, where they decode to ``weight`` [O, I]
     exactly; else None."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return None
     if blocks.dim() != 2 or blocks.shape[0] != weight.shape[0]:
+        return None
+    if weight.is_meta:  # a model built from the file itself (engine/model/from_gguf.py): the blocks are its weight
+        return BlockPart(blocks, format)
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
     decoded = decode(BlockPart(blocks, format), weight.shape[1], isa)  # [O, I]
     if torch.equal(decoded, weight):

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..cpu.blocks import BlockWeight, kernel_isa, q8_blocks
 from ..cpu.matmul import with_direct_rows
@@ -28,6 +27,7 @@ from ..errors import ConfigError
 from ..model.attention import attend
 from ..model.kernels import rotate
 from ..model.kv import KVCache
+from ..model.llama_parts import RMSNorm, rotary
 from ..model.loader import locate
 from ..model.model import CausalLM, upload
 
@@ -54,7 +54,7 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(len(aux_layers) * target_hidden, hidden, bias=False)
         layer = self.midlayer = nn.Module()
         for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-            setattr(layer, name, LlamaRMSNorm(hidden, eps))
+            setattr(layer, name, RMSNorm(hidden, eps))
         attn = layer.self_attn = nn.Module()
         bias = bool(config.get("attention_bias", False))
         attn.q_proj = nn.Linear(2 * hidden, heads * self.head_dim, bias=bias)
@@ -65,7 +65,7 @@ class Eagle3Head(nn.Module):
         mlp.gate_proj = nn.Linear(hidden, config["intermediate_size"], bias=False)
         mlp.up_proj = nn.Linear(hidden, config["intermediate_size"], bias=False)
         mlp.down_proj = nn.Linear(config["intermediate_size"], hidden, bias=False)
-        self.norm = LlamaRMSNorm(hidden, eps)
+        self.norm = RMSNorm(hidden, eps)
         draft_vocab = config.get("draft_vocab_size") or config["vocab_size"]
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))  # target id = i + d2t[i]
@@ -75,7 +75,7 @@ class Eagle3Head(nn.Module):
         self.vocab_size = target.vocab_size
         rope = LlamaConfig(**{**config, "head_dim": self.head_dim, "max_position_embeddings": target.max_len})
         positions = torch.arange(target.max_len)[None]  # [1, S]
-        cos, sin = LlamaRotaryEmbedding(rope)(torch.empty(0, dtype=torch.float32), positions)
+        cos, sin = rotary(rope)(torch.empty(0, dtype=torch.float32), positions)
         self.register_buffer("cos", cos[0], persistent=False)  # [S, D]
         self.register_buffer("sin", sin[0], persistent=False)
         self.cache = KVCache(1, kv_heads, self.head_dim, target.max_len, target.dtype, target.device)
@@ -164,7 +164,7 @@ class Eagle3Head(nn.Module):
         logits[:, self.draft_to_target] = draft_logits
         return logits, hidden[-1:]
 
-    def _norm(self, norm: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """x through the RMSNorm ``norm``: engine/cpu/csrc's op beside a target whose kernels are native
         (one call where the module makes about eight), else the module."""
         if self.target.kernels.native and x.dtype == torch.float32:

@@ -7,6 +7,9 @@ every position past the query's own), so rollback costs nothing.
 
 from __future__ import annotations
 
+import mmap
+
+import numpy as np
 import torch
 
 UNKNOWN = -1  # a cached position whose token id the host has not seen (fed as a device tensor)
@@ -23,8 +26,8 @@ class KVCache:
         device: torch.device,
     ) -> None:
         shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, H_kv, S, D]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, H_kv, S, D]
+        self.keys = lazy_zeros(shape, dtype, device)  # [L, 1, H_kv, S, D]
+        self.values = lazy_zeros(shape, dtype, device)  # [L, 1, H_kv, S, D]
         self.max_len = max_len
         # The tokens whose keys and values are in [:length]. Tokens fed as device tensors (drafts
         # sampled on the device) are UNKNOWN here until ``rollback`` is told the committed sequence.
@@ -127,3 +130,21 @@ class KVCache:
         keys, values = self.layer(layer)  # [1, H_kv, S, D]
         q = torch.ops.specserve.rotate_into_cache.default(qkv, cos, sin, keys, values, heads, start)
         return q, keys[:, :, :window], values[:, :, :window]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that on CPU take memory only where they are written: ``torch.zeros`` writes every page
+    (a 4,096-token cache of the embedded model: 190 MB resident before any request), while an
+    anonymous mapping is the system's zero pages until a page is written. A cache is [L, 1, H_kv,
+    S, D], so a position's first write touches every layer and head: on huge pages each would
+    commit 2 MB (the whole cache at the first token), so the mapping asks for ordinary pages."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    if size < mmap.PAGESIZE:
+        return torch.zeros(shape, dtype=dtype)
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+    pages = mmap.mmap(-1, size, **private)  # anonymous: zeros; unmapped with the last tensor viewing it
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

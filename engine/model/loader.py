@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import DTYPES, ConfigError, EngineConfig, dtype_name, torch_dtype_of
+from ..cpu.blocks import FileTensors, native_ops_available
+from ..cpu.gguf_file import GGUFFile
+from .from_gguf import direct_gguf, read_gguf_target
 
 if TYPE_CHECKING:  # transformers takes a second to import: the start-up checks run without it
     from transformers import PreTrainedTokenizerBase
@@ -57,6 +60,8 @@ class LoadedModels:
     target_name: str
     target_file: Path | None = None  # the GGUF file the target was read from, if it was
     target_folder: str = ""  # the local folder the target was read from
+    # a target built straight from its GGUF file (engine/model/from_gguf.py): the blocks its products read
+    target_blocks: FileTensors | None = None
 
 
 def embedded_gguf() -> Path:
@@ -130,11 +135,18 @@ def load_model(ref: str | None, device: torch.device, dtype: torch.dtype) -> tor
     return model
 
 
-def describe(model: torch.nn.Module) -> str:
-    """'135M params, 538 MB float32 on cpu'"""
-    params = list(model.parameters())
-    count, size = sum(p.numel() for p in params), sum(p.nbytes for p in params)
-    return f"{count / 1e6:,.0f}M params, {size / 2**20:,.0f} MB {dtype_name(params[0].dtype)} on {params[0].device}"
+def describe(model: torch.nn.Module, blocks: FileTensors | None = None) -> str:
+    """'135M params, 538 MB float32 on cpu'; a model built from its GGUF file: '135M params, 88 MB
+    of GGUF blocks and 0 MB float32 on cpu'"""
+    params = list({id(p): p for p in model.parameters()}.values())
+    count = sum(p.numel() for p in params)
+    real = [p for p in params if not p.is_meta]
+    size = sum(p.nbytes for p in real)
+    where = f"{dtype_name(real[0].dtype)} on {real[0].device}"
+    if blocks is None:
+        return f"{count / 1e6:,.0f}M params, {size / 2**20:,.0f} MB {where}"
+    held = sum(data.nbytes for _, data in blocks.tensors.values())
+    return f"{count / 1e6:,.0f}M params, {held / 2**20:,.0f} MB of GGUF blocks and {size / 2**20:,.0f} MB {where}"
 
 
 def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
@@ -149,25 +161,58 @@ def check_same_vocabulary(target: PreTrainedTokenizerBase, draft: PreTrainedToke
     )
 
 
-def load(config: EngineConfig, progress: Callable[[str], None] = lambda stage: None) -> LoadedModels:
-    """``progress(what)`` is called as each stage ends (tokenizer, target, draft), with sizes."""
+def load(
+    config: EngineConfig, progress: Callable[[str], None] = lambda stage: None, direct: bool = False
+) -> LoadedModels:
+    """``progress(what)`` is called as each stage ends (tokenizer, target, draft), with sizes.
+    ``direct``: a GGUF target whose products the block kernels can multiply here is built straight
+    from its file (``direct_target``), not as a transformers model; for the engine alone."""
     device, dtype = config.torch_device, config.torch_dtype
     tokenizer = load_tokenizer(config.target)
     progress("tokenizer")
-    target = load_model(config.target, device, dtype)
-    progress(f"target {describe(target)}")
-    if config.draft is not None and config.draft_copy is None:
-        check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
-    draft = load_draft(config, target)
-    progress("draft none" if draft is None else f"draft {describe(draft)}")
-    name = EMBEDDED_NAME if config.target is None else config.target
     where, extra = locate(config.target)
     target_file = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
-    return LoadedModels(target, draft, tokenizer, name, target_file, where)
+    file = direct_target(config, target_file) if direct else None
+    if file is not None:
+        started = time.perf_counter()
+        target, blocks = read_gguf_target(file)
+        log.info(
+            "loaded %s: %s, built from its GGUF file in %.1f s",
+            config.target or EMBEDDED_NAME,
+            describe(target, blocks),
+            time.perf_counter() - started,
+        )
+    else:
+        target, blocks = load_model(config.target, device, dtype), None
+    progress(f"target {describe(target, blocks)}")
+    if config.draft is not None and config.draft_copy is None:
+        check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
+    draft = load_draft(config, target, file)
+    progress("draft none" if draft is None else f"draft {describe(draft)}")
+    name = EMBEDDED_NAME if config.target is None else config.target
+    return LoadedModels(target, draft, tokenizer, name, target_file, where, blocks)
 
 
-def load_draft(config: EngineConfig, target: torch.nn.Module) -> torch.nn.Module | None:
-    """The draft ``config`` names: a copy of ``target`` in another form, a model of its own, or none."""
+def direct_target(config: EngineConfig, target_file: Path | None) -> GGUFFile | None:
+    """The target's GGUF file, open, where the target can be built from it directly: a float32
+    target on CPU whose products go through the block kernels (built here), of a layout
+    engine/model/from_gguf.py knows; else None (transformers loads it)."""
+    if target_file is None or config.torch_device.type != "cpu" or config.torch_dtype != torch.float32:
+        return None
+    if not config.gguf_blocks or not native_ops_available():
+        return None
+    file = GGUFFile(target_file)
+    why = direct_gguf(file)
+    if why is not None:
+        log.info("%s goes through transformers' loader: %s", target_file.name, why)
+        return None
+    return file
+
+
+def load_draft(config: EngineConfig, target: torch.nn.Module, file: GGUFFile | None = None) -> torch.nn.Module | None:
+    """The draft ``config`` names: a copy of ``target`` in another form (from ``file`` where the
+    target was built from it: it holds no floating-point products to convert), a model of its
+    own, or none."""
     if config.draft is None:
         return None
     if config.draft_copy is None:
@@ -176,7 +221,7 @@ def load_draft(config: EngineConfig, target: torch.nn.Module) -> torch.nn.Module
     # quantizes its products' weights
     dtype = torch_dtype_of(config.draft_copy if config.draft_copy in DTYPES else "bfloat16")
     started = time.perf_counter()
-    draft = converted_copy(target, dtype)
+    draft = converted_copy(target, dtype) if file is None else read_gguf_target(file, dtype)[0]
     log.info("loaded draft %s: %s in %.1f s", config.draft, describe(draft), time.perf_counter() - started)
     return draft
 

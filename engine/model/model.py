@@ -21,7 +21,7 @@ from ..cpu.blocks import DIRECT_ROWS, layer_blocks, native_ops_available
 from ..errors import ConfigError
 from .attention import attend, native_attention
 from .kernels import Pointwise
-from .kv import KVCache
+from .kv import KVCache, lazy_zeros
 from .weights import FUSED, ProductWeights, fuse_linears
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -51,7 +51,7 @@ class CausalLM:
         self.layers = list(body.layers)
         self.norm = body.norm
         self.lm_head = hf_model.lm_head
-        param = next(hf_model.parameters())
+        param = next(p for p in hf_model.parameters() if not p.is_meta)  # a product's may be its file's blocks
         self.device, self.dtype = param.device, param.dtype
         for layer in self.layers:  # one matrix product for q, k, v and one for gate, up (fewer kernels)
             for module, (fused, names) in zip((layer.self_attn, layer.mlp), FUSED.items(), strict=True):
@@ -92,7 +92,7 @@ class CausalLM:
         self.activation = self.layers[0].mlp.act_fn
         self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")
         self.kernels = Pointwise.eager(self.norm_eps, self.activation, self._native_kernels(), self.silu)
-        self.weights = ProductWeights(self._products(), self.embed.weight)
+        self.weights = ProductWeights(self._products(), self.embed.weight, self.device)
         # per layer, its products as (module, weight name): q/k/v, o, gate/up, down; none where the
         # fused layer (specserve::decode_layer) does not apply (Qwen3's head norms, another activation)
         self._layer_products = [
@@ -102,7 +102,7 @@ class CausalLM:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.hf_model.parameters()) + self.weights.nbytes
+        return sum(p.nbytes for p in self.hf_model.parameters() if not p.is_meta) + self.weights.nbytes
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int] | torch.Tensor, num_logits: int = 1) -> torch.Tensor:
@@ -140,7 +140,7 @@ class CausalLM:
         if self.runner is not None:
             self.runner.forget()
         shape = (len(layers), self.max_len, self.config.hidden_size)
-        self.features = torch.zeros(shape, dtype=self.dtype, device=self.device) if layers else None
+        self.features = lazy_zeros(shape, self.dtype, self.device) if layers else None
 
     def feature_rows(self, start: int, end: int) -> torch.Tensor:
         """The kept streams [end - start, A*E] of committed positions [start, end), lowest layer first."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .kv import KVCache
+from .kv import KVCache, lazy_zeros
 
 CONTINUES = 0.5  # a slot is taken for a prompt when it already holds at least this share of it
 
@@ -33,7 +33,7 @@ def _fresh(value: Any) -> Any:
     if isinstance(value, KVCache):
         return value.empty_like()
     if isinstance(value, torch.Tensor) and value.dim() == 3:  # kept features [A, S, E]
-        return torch.zeros_like(value)
+        return lazy_zeros(value.shape, value.dtype, value.device)
     return None if not isinstance(value, int) else 0
 
 

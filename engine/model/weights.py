@@ -66,9 +66,12 @@ class ProductWeights:
     ``keep``, the embedding table, which a tied LM head shares, is freed only where that head is
     held as one part of GGUF blocks: lookups then decode their rows from them (``embedding_rows``)."""
 
-    def __init__(self, products: list[tuple[nn.Module, str]], keep: torch.Tensor) -> None:
+    def __init__(self, products: list[tuple[nn.Module, str]], keep: torch.Tensor, device: torch.device) -> None:
         self.products = products
-        self.keep = keep
+        self.keep = keep  # empty ("meta") in a model built from its GGUF file whose tied head holds the rows
+        self.device = device
+        # each product's weight as a shape (the weights themselves may be freed or never made)
+        self.shapes = [torch.empty(getattr(m, n).shape, dtype=getattr(m, n).dtype, device="meta") for m, n in products]
         # the product whose weight is the embedding table (a tied LM head), as (id(module), name)
         self._tied = next(((id(module), name) for module, name in products if getattr(module, name) is keep), None)
         self.plan = MatmulPlan()  # CPU products by row count; measured at warm-up (until then F.linear)
@@ -101,7 +104,7 @@ class ProductWeights:
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
         """ids [T] -> their rows of the embedding table [T, E], decoded from the tied LM head's GGUF
         blocks (the same values) where the table itself is freed; None where it is held."""
-        if self.keep.numel():
+        if self.keep.numel() and not self.keep.is_meta:
             return None
         return self.prepared[self._tied].rows(ids)
 
@@ -132,6 +135,8 @@ class ProductWeights:
         self.blocks = {key: replace(held, rows_alike=True) for key, held in blocks.items()}
         self.blocks_line = line
         self.rows_alike = bool(blocks)
+        if blocks:  # held so from now on: their float32 copies are freed now (a model built from the file has none)
+            self.use_plan(MatmulPlan.uniform(BLOCKS, 1, self.shapes))  # warm-up plans the rows it runs
 
     def blocks_by_shape(self) -> dict:
         """The offered GGUF blocks grouped by weight key, as ``MatmulPlan.measure`` times them."""
@@ -145,13 +150,13 @@ class ProductWeights:
         (decode and verify shapes) and use it from now on (a plan already measured that far stays);
         with a ``cache``, read the plan stored for this host and these weights instead, or store
         the one measured. Elsewhere products stay F.linear."""
-        if self.keep.device.type == "cpu" and not self.int8 and self.plan.max_rows < max_rows:
+        if self.device.type == "cpu" and not self.int8 and self.plan.max_rows < max_rows:
+            if self.rows_alike:  # every product through its blocks, unmeasured: each row computed alike
+                self.use_plan(MatmulPlan.uniform(BLOCKS, max_rows, self.shapes))
+                return self.plan
             self.use_plan(MatmulPlan())  # measured on the weights as the checkpoint holds them
             by_shape = self.blocks_by_shape()
             weights = self.linear_weights()
-            if self.rows_alike:  # every product through its blocks, unmeasured: each row computed alike
-                self.use_plan(MatmulPlan.uniform(BLOCKS, max_rows, weights))
-                return self.plan
             key = cache.key([weight_key(w) for w in weights], list(by_shape), max_rows) if cache else ""
             self.plan_key = key
             plan = cache.load(key) if cache else None
@@ -194,7 +199,7 @@ class ProductWeights:
     def quantize_int8(self) -> None:
         """Hold every product's weight as int8 rows with one scale each, and free the floating-point
         copy. A different model, so only for drafts: verification keeps the output the target's."""
-        device, dtype = self.keep.device, self.keep.dtype
+        device, dtype = self.device, self.keep.dtype
         if device.type != "cpu" or dtype != torch.bfloat16:
             raise ConfigError(f"int8 weights need a bfloat16 model on CPU, got {dtype} on {device}")
         self.use_plan(MatmulPlan())
@@ -237,7 +242,11 @@ def fuse_linears(module: nn.Module, names: tuple[str, ...], fused: str) -> None:
     if weight is not None and linears[0].weight.data_ptr() == weight.data_ptr():
         return
     rows = tuple(linear.weight.shape[0] for linear in linears)
-    weight = torch.cat([linear.weight.data for linear in linears])  # [sum O, I]
+    first = linears[0].weight
+    if first.is_meta:  # weights a model built from its GGUF file holds as blocks (meta ops import torch._dynamo)
+        weight = torch.empty(sum(rows), first.shape[1], dtype=first.dtype, device="meta")  # [sum O, I]
+    else:
+        weight = torch.cat([linear.weight.data for linear in linears])  # [sum O, I]
     biases = [linear.bias for linear in linears]
     bias = None if any(b is None for b in biases) else torch.cat([b.data for b in biases])  # [sum O]
     _view_parts(linears, rows, weight, bias)

@@ -247,9 +247,9 @@ def test_the_embedded_file_decodes_to_the_gguf_packages_values():
 
 
 def test_an_engine_holds_its_products_as_blocks_and_matches_the_loaded_rows():
-    """Blocks offered for a quantized tiny model match every product (q and k rows included); a
-    measured plan on this tiny shape may keep float32, a uniform one holds the blocks and frees the
-    float32 weights; dense gives them back exactly."""
+    """Blocks offered for a quantized tiny model match every product (q and k rows included) and
+    are held at once (every row through them: rows alike), the float32 weights freed; dense gives
+    them back exactly, and so does a plan without the blocks."""
     target = tiny_llama(seed=5, vocab_size=64)
     file = quantize_in_place(target)
     engine = tiny_engine(target, None)
@@ -258,7 +258,7 @@ def test_an_engine_holds_its_products_as_blocks_and_matches_the_loaded_rows():
     offer_blocks(engine.target, file)
     assert len(weights.blocks) == len(weights.products)
     assert weights.blocks_line.startswith(f"{len(weights.products)}/{len(weights.products)} products")
-    weights.use_plan(MatmulPlan.uniform(BLOCKS, 6, weights.linear_weights()))
+    assert all(getattr(module, name).numel() == 0 for module, name in weights.products)
     assert all((id(module), name) in weights.prepared for module, name in weights.products)
     assert weights.nbytes < sum(weight.nbytes for weight in before.values())
     for module, name in weights.products:
@@ -277,8 +277,7 @@ def test_a_tied_embedding_table_is_freed_for_the_heads_blocks_and_lookups_decode
     engine = tiny_engine(target, None)
     model, ids = engine.target, torch.tensor([3, 7, 7, 63, 0])
     table, rows = model.embed.weight.detach().clone(), model.embedding(ids)  # [V, E], [T, E]
-    offer_blocks(model, file)
-    model.weights.use_plan(MatmulPlan.uniform(BLOCKS, 6, model.weights.linear_weights()))
+    offer_blocks(model, file)  # held at once
     assert model.embed.weight.numel() == 0 and model.lm_head.weight is model.embed.weight
     assert torch.equal(model.embedding(ids), rows)
     assert torch.equal(model.weights.dense(model.lm_head, "weight"), table)

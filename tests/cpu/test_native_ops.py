@@ -14,7 +14,6 @@ import torch
 
 from engine.cpu import blocks as blocks_module
 from engine.cpu.blocks import kernel_isa, layer_blocks, offer_blocks
-from engine.cpu.matmul import BLOCKS, MatmulPlan
 from engine.model import kernels
 from engine.model.kv import KVCache
 from tests.tiny import quantize_in_place, tiny_engine, tiny_llama
@@ -135,8 +134,7 @@ def blocks_model(fused: bool):
     target = tiny_llama(seed=5, vocab_size=64, layers=3)
     file = quantize_in_place(target, formats=("Q4_1",))  # q, k and v of one format: one part
     model = tiny_engine(target, None).target
-    offer_blocks(model, file)
-    model.weights.use_plan(MatmulPlan.uniform(BLOCKS, 6, model.weights.linear_weights()))
+    offer_blocks(model, file)  # held from now on
     if not fused:
         model._layer_products = [None] * len(model.layers)
     model.keep_features((0, 2))
