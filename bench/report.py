@@ -114,6 +114,10 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
             "target_only_vs_hf_generate": round(own / _speed(metrics, HF_GENERATE), 3),
             "default_greedy_identical": metrics[DEFAULT]["greedy_identical"],
         }
+        singles = [label for label in drafted if label != DEFAULT]  # each drafter alone (auto's candidates)
+        if singles:
+            entry["best_single"] = max(singles, key=lambda label: _speed(metrics, label))
+            entry["default_vs_best_single"] = round(default / _speed(metrics, entry["best_single"]), 3)
         if LLAMA_CPP in metrics:
             entry["default_vs_llama_cpp"] = round(default / _speed(metrics, LLAMA_CPP), 3)
             entry["target_only_vs_llama_cpp"] = round(own / _speed(metrics, LLAMA_CPP), 3)
@@ -199,7 +203,7 @@ def summary(report: dict, full_tables: str) -> str:
     has_llama = any(LLAMA_CPP in metrics for metrics in results.values())
     cpu = report["machine"]["cpu"]
     head = ["prompt type", "HF generate", "HF best", *(["llama.cpp"] if has_llama else []), "target-only"]
-    head += ["default", "best specserve", "default / target-only", "default / HF best"]
+    head += ["default", "best specserve", "default / target-only", "default / HF best", "default / best single"]
     lines = [
         f"Decode tokens/s, {report['model']}, {_sampling(report)}, {report['settings']['max_tokens']} new tokens, on "
         f"{cpu['model']} (family {cpu['family']}, flags {', '.join(cpu['flags']) or 'none'}, {cpu['cpus']} CPUs, "
@@ -224,6 +228,8 @@ def summary(report: dict, full_tables: str) -> str:
         cells += [f"{_speed(metrics, TARGET_ONLY):.1f}", f"{_speed(metrics, DEFAULT):.1f}"]
         cells += [f"{_speed(metrics, t['best']):.1f} ({t['best'][6:]})", f"{t['default_vs_target_only']:.2f}x"]
         cells.append(f"{t['default_vs_best_hf']:.2f}x")
+        single = t.get("default_vs_best_single")
+        cells.append("-" if single is None else f"{single:.2f}x ({t['best_single'][6:]})")
         lines.append("| " + " | ".join(cells) + " |")
     if "all" in targets:
         lines += [

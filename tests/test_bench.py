@@ -135,6 +135,7 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     target = report["targets"]["code"]
     assert target["best"] == "serve:ngram" and target["best_hf"] == "hf:prompt-lookup"
     assert target["default_vs_target_only"] == 1.25 and target["default_vs_best_hf"] == 1.25
+    assert target["best_single"] == "serve:ngram" and target["default_vs_best_single"] == 0.5  # auto's best candidate
     assert target["met"] == {"default_vs_target_only": True, "default_vs_best_hf": True, "best_vs_target_only": True}
     assert report["targets"]["chat"]["met"] == {"default_vs_target_only": True, "default_vs_best_hf": True}
     assert report["targets"]["all"] == {"default_vs_target_only_geomean": 1.414, "met": False}  # sqrt(1.25 * 1.6)
@@ -150,7 +151,10 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     assert "| serve:ngram | 50.0 (2.50x) |" in text
     assert "| eagle3 4, suffix 4, none 2 |" in text  # most steps first
     short = summary(full, "bench/results/x.md")
-    assert "| code | 10.0 | 20.0 (prompt-lookup) | 20.0 | 25.0 | 50.0 (ngram) | 1.25x | 1.25x |" in short
+    assert (
+        "| code | 10.0 | 20.0 (prompt-lookup) | 20.0 | 25.0 | 50.0 (ngram) | 1.25x | 1.25x | 0.50x (ngram) |" in short
+    )
+    assert "| chat | 10.0 | 10.0 (generate) | 10.0 | 16.0 | 16.0 (default) | 1.60x | 1.60x | - |" in short
     assert "geometric mean: 1.41x" in short and "(bench/results/x.md)" in short
 
 

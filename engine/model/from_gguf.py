@@ -65,7 +65,9 @@ def model_config(file: GGUFFile):
     model_type = file.arch
     if model_type == "llama" and "mistral" in str(file.metadata.get("general.name", "")).lower():
         model_type = "mistral"
-    return AutoConfig.for_model(model_type, **fields)
+    config = AutoConfig.for_model(model_type, **fields)
+    config.name_or_path = str(file.path.parent)  # where transformers' config says it was read from
+    return config
 
 
 class Linear(nn.Module):
