@@ -9,9 +9,10 @@ targets alternated within each count, reversed every other round), fits a step's
 cost per row, and the ceiling those times set for a chain of drafts (``ceiling`` of
 bench/studies/native_ops.py); times a 1,500-token prompt on each (int8 takes the kernels and
 decode_attention at every length); and counts how often the two targets' greedy next tokens agree,
-teacher-forced over the float32 target's own answers to a few prompts. Writes bench/results/int8.json.
+teacher-forced over the float32 target's own answers to a few prompts; and the shipped EAGLE-3
+head's greedy acceptance on each target over bench/prompts.yaml. Writes bench/results/int8.json.
 
-    .venv/bin/python bench/studies/int8.py
+    .venv/bin/python bench/studies/int8.py [--head-only]
 """
 
 from __future__ import annotations
@@ -93,10 +94,44 @@ def agreement(loaded: dict, max_tokens: int) -> dict:
     return {"top1_agreement": round(same / total, 3), "positions": total, "first_greedy_difference": first_differences}
 
 
+def head_acceptance(loaded: dict, max_tokens: int) -> dict:
+    """The shipped EAGLE-3 head drafting for each target, greedy, over the first turn of every
+    prompt of bench/prompts.yaml: its acceptance and tokens per target forward, mean over prompts
+    (the head was trained on the float32 target's features)."""
+    import yaml
+
+    tokenizer = loaded["float32"].tokenizer
+    sets = yaml.safe_load((Path(__file__).resolve().parents[1] / "prompts.yaml").read_text())
+    chats = [
+        [{"role": "user", "content": item}]
+        if isinstance(item, str)
+        else [{"role": "system", "content": item["system"]}, {"role": "user", "content": item["turns"][0]}]
+        for items in sets.values()
+        for item in items
+    ]
+    found = {}
+    for name, item in loaded.items():
+        acceptance, per_forward = [], []
+        for i, chat in enumerate(chats):
+            prompt = tokenizer(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)).input_ids
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            outputs = list(item.engine.generate(Request(f"h{name}{i}", prompt, params, drafter="eagle3")))
+            stats = outputs[-1].stats.to_dict()
+            acceptance.append(stats["acceptance_rate"])
+            per_forward.append(stats["mean_tokens_per_forward"])
+        found[name] = {
+            "acceptance": round(statistics.mean(acceptance), 3),
+            "tokens_per_forward": round(statistics.mean(per_forward), 3),
+            "prompts": len(chats),
+        }
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--head-only", action="store_true", help="only the EAGLE-3 head's acceptance on each target")
     args = parser.parse_args()
     loaded = {
         name: load_engine(
@@ -104,6 +139,14 @@ def main() -> None:
         )
         for name in ACTIVATIONS
     }
+    if args.head_only:  # merged into the last full run's results
+        path = RESULTS / "int8.json"
+        report = json.loads(path.read_text()) if path.exists() else {"host": host()}
+        report["eagle3_head"] = head_acceptance(loaded, 96)
+        report["eagle3_head_host"] = host()
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["eagle3_head"], indent=2))
+        return
     targets = {name: item.engine.target for name, item in loaded.items()}
     head_ms = {name: 1000 * item.engine.drafter("eagle3").own_costs().step_seconds for name, item in loaded.items()}
     for target in targets.values():
@@ -120,6 +163,7 @@ def main() -> None:
         "int8_over_float32_by_rows": {str(n): round(sweep["int8"][n] / sweep["float32"][n], 3) for n in range(1, 9)},
         "prompt_1500_tokens_ms": prompt_ms(targets, 1500, 3),
         "agreement": agreement(loaded, 96),
+        "eagle3_head": head_acceptance(loaded, 96),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "int8.json").write_text(json.dumps(report, indent=2) + "\n")
