@@ -113,7 +113,9 @@ def head_acceptance(loaded: dict, max_tokens: int) -> dict:
     for name, item in loaded.items():
         acceptance, per_forward = [], []
         for i, chat in enumerate(chats):
-            prompt = tokenizer(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)).input_ids
+            prompt = tokenizer(
+                tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            ).input_ids
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             outputs = list(item.engine.generate(Request(f"h{name}{i}", prompt, params, drafter="eagle3")))
             stats = outputs[-1].stats.to_dict()
