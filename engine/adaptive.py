@@ -74,6 +74,14 @@ class StepCosts:
         return expected_tokens(alpha, k) / (k * (self.draft or 0.0) + self.verify_cost(k))
 
 
+def beats_plain(alpha: float, limit: int, drafting: StepCosts, verify: StepCosts) -> bool:
+    """Whether drafting k in 1..limit tokens at ``drafting``'s cost a token and acceptance ``alpha``
+    yields more tokens per second than plain decoding (``verify``'s cost at k = 0)."""
+    plain = 1.0 / verify.verify_cost(0)
+    draft = drafting.draft or 0.0
+    return any(expected_tokens(alpha, k) / (k * draft + verify.verify_cost(k)) > plain for k in range(1, limit + 1))
+
+
 @dataclass(slots=True)
 class AdaptiveK:
     costs: StepCosts = field(default_factory=StepCosts)  # shared by the requests of one drafter

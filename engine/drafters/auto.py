@@ -28,7 +28,9 @@ of a step), is spread over the next ``HORIZON`` tokens when candidates are compa
 prompt is not prefilled into a draft that cannot win it back. (A draft that copies the target's
 keys and values, ``draft_kv``, has nothing to catch up on.) Where the step's best is another, a
 draft model unused for a while (``probe_every`` steps at acceptance 0.5; longer below, sooner above)
-drafts one token, as does a text match of a length unused as long: acceptance stays current.
+drafts one token, as does a text match of a length unused as long: acceptance stays current. A
+draft model whose live-timed step could not beat plain decoding at any k even at the most it may
+accept (an int8 copy whose step costs what the target's does) is probed ``RARELY`` times less often.
 
 Every choice depends only on earlier steps and the committed tokens, never on the current step's
 random draws, so the output is still distributed exactly as the target's.
@@ -37,11 +39,12 @@ random draws, so the output is still distributed exactly as the target's.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, expected_tokens
+from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, beats_plain, expected_tokens
 from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line
 from ..sampling import RequestSampler
+from .auto_state import RequestState, StepChoice
 from .base import Drafter, DraftResources, Proposal
 from .eagle3 import head_drafter
 from .registry import build, register
@@ -56,41 +59,11 @@ PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of e
 EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 PROBE_ALPHA = 0.5  # the acceptance at which an unused track is probed after probe_every steps
+RARELY = 8  # how many times longer a draft model that cannot pay here goes unprobed
 
 
 def match_track(name: str, match_length: int) -> str:  # suffix@4: a match of 4 to 7 tokens
     return f"{name}@{max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))}"
-
-
-@dataclass(slots=True)
-class _Choice:
-    name: str | None  # None: no drafting this step
-    num_draft_tokens: int
-    sequence_length: int  # committed tokens when the proposal was made
-    # the candidate also ran the step before, so its time is one step's drafting; after a gap it
-    # first catches up on everything since (the whole prompt, for a draft model's first step)
-    steady: bool = False
-    lag: int = 0  # tokens the candidate read before proposing
-    track: str | None = None  # whose acceptance the step informs: the name, or a text match's length bucket
-    drafted: int = 0  # tokens actually proposed
-    draft_seconds: float = 0.0
-    proposed_at: float = 0.0
-
-
-@dataclass(slots=True)
-class _Request:
-    alpha: dict[str, float] = field(default_factory=dict)  # each track's acceptance estimate now
-    priors: dict[str, float] = field(default_factory=dict)  # what it started from: its scope's priors
-    tenant: str = ""  # its scope, whose priors its acceptance moves once
-    folded: bool = False  # whether it has moved them
-    # per track: (accepted tokens, rejections) seen this request, older steps faded
-    evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # per track: (tokens its steps yielded, tokens the geometric estimate expected), faded: the ratio corrects it
-    yields: dict[str, tuple[float, float]] = field(default_factory=dict)
-    last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate and track last ran
-    # (tokens, seconds) text matching or plain decoding made of the last few steps: a draft step must beat it
-    text_pace: tuple[float, float] = (0.0, 0.0)
-    step: int = 0
 
 
 class AutoDrafter(Drafter):
@@ -111,8 +84,8 @@ class AutoDrafter(Drafter):
         texts = [name for name in candidates if name not in readers]
         self.priors |= {match_track(name, n): prior for name in texts for n, prior in MATCH_PRIORS.items()}
         self.scope_priors = ScopePriors(self.priors, PRIOR_WEIGHT)  # as each scope's requests moved them
-        self._request = _Request()
-        self._choice: _Choice | None = None
+        self._request = RequestState()
+        self._choice: StepChoice | None = None
 
     def warm_up(self) -> None:
         """Price the candidates before the first request: the target's forward over k + 1 tokens for each k (best
@@ -138,7 +111,7 @@ class AutoDrafter(Drafter):
                 self.draft_costs[name] = StepCosts(draft=own.step_seconds, provisional_draft=True)
                 self.catch_up[name], self.priors[name] = own.seconds_per_token, own.acceptance or ALPHA_PRIOR
                 self.extra_row.pop(name, None)
-        self._request = _Request(alpha=dict(self.priors), priors=dict(self.priors))
+        self._request = RequestState(alpha=dict(self.priors), priors=dict(self.priors))
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         for candidate in self.candidates.values():
@@ -148,7 +121,7 @@ class AutoDrafter(Drafter):
             finished.folded = True
             self.scope_priors.fold(finished.tenant, finished.alpha, finished.last_tried)
         priors = self.scope_priors.of(tenant)
-        self._request = _Request(alpha=dict(priors), priors=priors, tenant=tenant)
+        self._request = RequestState(alpha=dict(priors), priors=priors, tenant=tenant)
         self._choice = None
 
     def parts(self) -> list[Drafter]:
@@ -164,7 +137,7 @@ class AutoDrafter(Drafter):
             request.text_pace = (PACE_DECAY * paced_tokens + tokens, PACE_DECAY * paced_seconds + seconds)
         name, k = self._choose(token_ids, num_draft_tokens, offers)
         steady = request.last_tried.get(name) == request.step - 1
-        choice = _Choice(name, k, len(token_ids), steady=steady, lag=self._lag(name, token_ids) or 0)
+        choice = StepChoice(name, k, len(token_ids), steady=steady, lag=self._lag(name, token_ids) or 0)
         started = time.perf_counter()
         proposal = Proposal.empty(sampler.device)
         if name in offers:
@@ -288,7 +261,7 @@ class AutoDrafter(Drafter):
         for name in self.candidates:
             if self._reads(name):
                 self.priors[name] = acceptance
-        self._request = _Request(alpha=dict(self.priors), priors=dict(self.priors))
+        self._request = RequestState(alpha=dict(self.priors), priors=dict(self.priors))
 
     def _reads(self, name: str | None) -> bool:
         """Whether the candidate runs a model, which must read the sequence before proposing."""
@@ -336,12 +309,23 @@ class AutoDrafter(Drafter):
         # Probes keep acceptance current where the best is another, at one drafted token: a text match
         # of a length unused for a while (probe_every steps at acceptance 0.5, longer for a weaker
         # track: a probe is worth its chance to hold), then a draft model that need not catch up much.
-        tracks = {name: track for name, (_, track) in offers.items()} | {name: name for name in self.draft_costs}
+        # A draft model whose live-measured step could not beat plain decoding even at the most it may
+        # accept (the higher of its prior and this request's estimate; a draft step as dear as the
+        # target's) is probed RARELY as often, to keep that measure current.
         plain_step, due = self.verify.verify_cost(0), self.probe_every * PROBE_ALPHA
+        tracks = {name: track for name, (_, track) in offers.items()} | {name: name for name in self.draft_costs}
+        dues = {
+            name: due * RARELY
+            for name, costs in self.draft_costs.items()
+            if not costs.provisional_draft
+            and not beats_plain(
+                max(request.priors.get(name, ALPHA_PRIOR), self._alpha(name)), limit, costs, self.verify
+            )
+        }
         stale = [
             name
             for name, track in tracks.items()
-            if (request.step - request.last_tried.get(track, 0)) * self._alpha(track) > due
+            if (request.step - request.last_tried.get(track, 0)) * self._alpha(track) > dues.get(name, due)
             and catch_up.get(name, 0) <= plain_step
         ]
         return next(((name, 1) for name in stale if name != best[0]), best)

@@ -325,6 +325,23 @@ def test_a_start_up_draft_cost_taken_on_a_busy_host_is_replaced_by_the_next_prob
     assert auto.draft_costs["model"].draft < 100 * measured  # and its timing replaced the start-up one
 
 
+def test_a_draft_model_whose_live_step_cannot_pay_here_is_seldom_probed():
+    """Timed live at ten target steps a drafted token, the draft cannot beat plain decoding even if
+    every draft passed: it is probed RARELY times less often (a timing from start-up still gets
+    its probe, the test above). Without the rule it is probed every few steps."""
+    target = tiny_llama(seed=3, vocab_size=96, init=0.2)
+    engine = tiny_engine(target, perturbed_copy(target, 0.05, seed=1), drafter="auto", draft_kv="target")
+    warm_up(engine)
+    auto = engine.drafter("auto")
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for name in ("model", "staged"):  # as if live steps had timed them so
+        costs = auto.draft_costs[name]
+        costs.draft, costs.provisional_draft = 10 * auto.verify.verify_cost(0), False
+    outputs = list(engine.generate(Request("r", [1, 2, 3, 4], params, drafter="auto")))
+    steps = outputs[-1].stats.to_dict()["steps_by_drafter"]
+    assert steps.get("model", 0) + steps.get("staged", 0) == 0, steps  # without the rule: a probe every ~9 steps
+
+
 def test_a_scopes_finished_requests_move_its_own_priors_and_no_other_scopes():
     engine = auto_engine()
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
