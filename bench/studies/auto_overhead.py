@@ -1,0 +1,104 @@
+"""Study: does auto lose to target-only, or to its best single candidate, where nothing repeats? Answer: docs/drafters.md#auto-where-nothing-repeats.
+
+The embedded default in this process (no HTTP), each request its own scope, so no request learns
+from another: target-only, ``suffix``, ``eagle3``, ``model`` (when a draft copy is kept) and
+``auto``, taking turns request by request, on a chat answer, open prose and a summary that reuses
+its passage's wording, greedy and at temperature 0.8 (seeded, a new seed each round), 96 tokens.
+Reports decode tokens/s (after the first token) by configuration, each over target-only, and
+auto's steps by drafter.
+
+    .venv/bin/python bench/studies/auto_overhead.py [--draft copy:int8] [--rounds 2]
+
+``--draft``: the draft the engine keeps (default: as the server would, ``copy:auto``, which keeps
+none where the target alone is faster). Writes bench/results/auto_overhead.json, one entry per
+``--draft`` (a run replaces its own entry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.host import host  # noqa: E402
+from bench.runners import EngineRunner, chat_ids  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.factory import load_engine  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+PROMPTS = {
+    "chat": "What do you like most about autumn? Answer in a friendly, conversational way.",
+    "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "summary": (
+        "Summarise this in two sentences, reusing its wording: The river Thames flows through London. It is the "
+        "longest river entirely in England. The Thames has been an important trade route for centuries, and many "
+        "of London's landmarks stand on its banks, including the Houses of Parliament and the Tower of London."
+    ),
+}
+TEMPERATURES = (0.0, 0.8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft", default="copy:auto")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args()
+    loaded = load_engine(EngineConfig(draft=None if args.draft == "none" else args.draft), show_progress=False)
+    engine, tokenizer = loaded.engine, loaded.tokenizer
+    drafters = ["none", "suffix", "eagle3", *(["model"] if engine.draft is not None else []), "auto"]
+    runner = EngineRunner(engine)
+    rates: dict[str, dict[str, list[float]]] = {}
+    steps: dict[str, dict[str, int]] = {}
+    for round_index in range(args.rounds):
+        for kind, text in PROMPTS.items():
+            prompt = chat_ids(tokenizer, [{"role": "user", "content": text}])
+            for temperature in TEMPERATURES:
+                case = f"{kind}@{temperature}"
+                sampling = {"temperature": temperature, "seed": 11 + round_index} if temperature else None
+                for drafter in drafters:  # taking turns, request by request
+                    run = runner.run(drafter, False, prompt, args.max_tokens, f"{case}{drafter}{round_index}", sampling)
+                    times = run.token_times
+                    rates.setdefault(case, {}).setdefault(drafter, []).append((len(times) - 1) / (times[-1] - times[0]))
+                    if drafter == "auto":
+                        for name, count in run.steps_by_drafter.items():
+                            steps.setdefault(case, {})[name] = steps.get(case, {}).get(name, 0) + count
+    table = {}
+    for case, by_drafter in rates.items():
+        plain = statistics.median(by_drafter["none"])
+        singles = {
+            name: statistics.median(values) for name, values in by_drafter.items() if name not in ("none", "auto")
+        }
+        auto = statistics.median(by_drafter["auto"])
+        best = max(singles, key=singles.__getitem__)
+        table[case] = {
+            "tokens_per_s": {name: round(statistics.median(values), 1) for name, values in by_drafter.items()},
+            "over_target_only": {
+                name: round(statistics.median(values) / plain, 3) for name, values in by_drafter.items()
+            },
+            "auto_over_best_single": round(auto / singles[best], 3),
+            "best_single": best,
+            "auto_steps": steps.get(case, {}),
+        }
+    path = RESULTS / "auto_overhead.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    report[f"draft {args.draft}"] = {
+        "host": host(),
+        "model": "embedded SmolLM2-135M-Instruct on its GGUF blocks, float32 activations, in process",
+        "kept_draft": engine.config.draft,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "results": table,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    for case, row in table.items():
+        print(case, row["over_target_only"], "auto/best single", row["auto_over_best_single"], row["auto_steps"])
+
+
+if __name__ == "__main__":
+    main()
