@@ -132,12 +132,15 @@ class KVCache:
         return q, keys[:, :, :window], values[:, :, :window]
 
 
+@torch.inference_mode(False)
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros that on CPU take memory only where they are written: ``torch.zeros`` writes every page
     (a 4,096-token cache of the embedded model: 190 MB resident before any request), while an
     anonymous mapping is the system's zero pages until a page is written. A cache is [L, 1, H_kv,
     S, D], so a position's first write touches every layer and head: on huge pages each would
-    commit 2 MB (the whole cache at the first token), so the mapping asks for ordinary pages."""
+    commit 2 MB (the whole cache at the first token), so the mapping asks for ordinary pages.
+    Ordinary tensors wherever they are made (a slot's, inside inference mode): code outside
+    inference mode updates caches in place (a draft copying the target's keys and values)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()

@@ -25,11 +25,9 @@ from .kv import KVCache, lazy_zeros
 CONTINUES = 0.5  # a slot is taken for a prompt when it already holds at least this share of it
 
 
-@torch.inference_mode(False)
 def _fresh(value: Any) -> Any:
-    """An empty counterpart of one state field: an empty cache, zeroed rows, or nothing. Made as
-    ordinary tensors (never inference tensors), since code outside inference mode updates caches in
-    place (a draft copying the target's keys and values)."""
+    """An empty counterpart of one state field: an empty cache, zeroed rows, or nothing (ordinary
+    tensors even inside inference mode: ``lazy_zeros``)."""
     if isinstance(value, KVCache):
         return value.empty_like()
     if isinstance(value, torch.Tensor) and value.dim() == 3:  # kept features [A, S, E]
