@@ -26,7 +26,7 @@ MAGIC = b"GGUF"
 # metadata value types: (struct format, size) of the scalars; 8 is a string, 9 an array
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
-F32, F16, BF16 = 0, 1, 30  # GGML types stored as plain floats
+F32 = 0  # the GGML type of plain float32 tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,31 +78,29 @@ class GGUFFile:
         """Tensor ``name`` as stored, rows in the checkpoint's order (``row_order``): [rows, row
         bytes] uint8, rows being every dimension but the innermost; a read-only view of the mapped
         file where no rows move."""
-        import gguf
-
-        info = self.tensors[name]
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.type)]
-        rows = int(np.prod(info.shape[:-1], dtype=np.int64))
-        row_bytes = info.shape[-1] // block * size
-        stored = np.frombuffer(self._map, np.uint8, rows * row_bytes, info.offset).reshape(rows, row_bytes)
+        rows, row_bytes = self._layout(name)
+        stored = np.frombuffer(self._map, np.uint8, rows * row_bytes, self.tensors[name].offset).reshape(
+            rows, row_bytes
+        )
         order = self.row_order(name)
         return stored if order is None else stored[order]
 
     def forget(self, name: str) -> None:
         """Drop tensor ``name``'s pages from this process's memory once it is copied out (they stay
         in the system's file cache; a later read maps them again)."""
-        info = self.tensors[name]
-        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        end = info.offset + self.raw_bytes(name)
+        rows, row_bytes = self._layout(name)
+        start = self.tensors[name].offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = self.tensors[name].offset + rows * row_bytes
         if hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    def raw_bytes(self, name: str) -> int:
+    def _layout(self, name: str) -> tuple[int, int]:
+        """(rows, bytes a row) of tensor ``name`` as stored."""
         import gguf
 
         info = self.tensors[name]
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.type)]
-        return int(np.prod(info.shape[:-1], dtype=np.int64)) * (info.shape[-1] // block * size)
+        return int(np.prod(info.shape[:-1], dtype=np.int64)), info.shape[-1] // block * size
 
     def floats(self, name: str) -> np.ndarray:
         """Tensor ``name`` dequantized to float32, in its shape, rows in the checkpoint's order

@@ -21,6 +21,7 @@ from torch import nn
 from ..cpu.blocks import FileTensors
 from ..cpu.gguf_file import GGUFFile
 from .llama_parts import RMSNorm, Rotary
+from .weights import FUSED
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # the metadata each architecture keeps its config in, by config field (transformers reads the same keys)
@@ -35,7 +36,8 @@ CONFIG_KEYS = {
     "rms_norm_eps": "attention.layer_norm_rms_epsilon",
 }
 TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
-PRODUCTS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+# a layer's products, each as the linear layers stacked in it (CausalLM stacks q/k/v and gate/up: FUSED)
+PRODUCTS = (FUSED["qkv"], ("o_proj",), FUSED["gate_up"], ("down_proj",))
 
 
 def direct_gguf(file: GGUFFile) -> str | None:
@@ -51,7 +53,7 @@ def model_config(file: GGUFFile):
     """The transformers config of the file's model, from its metadata (the keys transformers reads)."""
     from transformers import AutoConfig
 
-    fields = {name: file.field(key) for name, key in CONFIG_KEYS.items() if file.field(key) is not None}
+    fields = {name: value for name, key in CONFIG_KEYS.items() if (value := file.field(key)) is not None}
     fields |= {
         name: file.metadata[f"tokenizer.ggml.{key}_token_id"]
         for name, key in TOKEN_IDS.items()

@@ -173,18 +173,15 @@ def load(
     where, extra = locate(config.target)
     target_file = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
     file = direct_target(config, target_file) if direct else None
+    started = time.perf_counter()
+    target, blocks = read_gguf_target(file) if file is not None else (load_model(config.target, device, dtype), None)
+    described = describe(target, blocks)
     if file is not None:
-        started = time.perf_counter()
-        target, blocks = read_gguf_target(file)
+        seconds = time.perf_counter() - started
         log.info(
-            "loaded %s: %s, built from its GGUF file in %.1f s",
-            config.target or EMBEDDED_NAME,
-            describe(target, blocks),
-            time.perf_counter() - started,
+            "loaded %s: %s, built from its GGUF file in %.1f s", config.target or EMBEDDED_NAME, described, seconds
         )
-    else:
-        target, blocks = load_model(config.target, device, dtype), None
-    progress(f"target {describe(target, blocks)}")
+    progress(f"target {described}")
     if config.draft is not None and config.draft_copy is None:
         check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
     draft = load_draft(config, target, file)
