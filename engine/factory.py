@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import logging
 import sys
 import time
@@ -19,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig, available_memory
 from .cpu.blocks import FileTensors, offer_blocks
 from .cpu.int8_blocks import auto_activations, held_activations, int8_activations
+from .cpu.memory import release_freed_memory
 from .cpu.plan_cache import PlanCache
 from .cpu.threads import set_threads, usable_cpus
 from .drafters import check_stages
@@ -90,15 +89,6 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
     del models  # the draft copy that copy:auto did not keep, among what start-up no longer needs
     release_freed_memory()
     return LoadedEngine(engine, tokenizer, name)
-
-
-def release_freed_memory() -> None:
-    """Hand memory that start-up freed back to the system: glibc keeps freed heap pages mapped, so
-    the copy copy:auto dropped would stay resident."""
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def build_engine(

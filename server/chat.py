@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-
-from engine.grammar import GrammarCompiler, GrammarError
+from typing import TYPE_CHECKING
 
 from .choices import Choice, TokenPiece, UsageTotals
 from .errors import BadRequest
@@ -26,6 +25,9 @@ from .responses import (
 )
 from .serving import ServingCore
 from .tools import ToolCallStream, parse_tool_calls, plan_tools
+
+if TYPE_CHECKING:  # xgrammar (13 MB) loads when a request first brings a response_format
+    from engine.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ class ChatServing:
     def _grammar(self, response_format: ResponseFormat | None) -> object | None:
         if response_format is None or response_format.type == "text":
             return None
+        from engine.grammar import GrammarCompiler, GrammarError
+
         if self._grammars is None:
             self._grammars = GrammarCompiler(
                 self.core.tokenizer, self.core.vocab_size, self.core.description.eos_token_ids

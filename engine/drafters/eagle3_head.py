@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
 
 from ..cpu.blocks import BlockWeight, kernel_isa, q8_blocks
 from ..cpu.matmul import with_direct_rows
+from ..cpu.memory import release_freed_memory
 from ..errors import ConfigError
 from ..model.attention import attend
 from ..model.kernels import rotate
 from ..model.kv import KVCache
-from ..model.llama_parts import RMSNorm, rotary
+from ..model.llama_parts import RMSNorm, rotary_of
 from ..model.loader import locate
 from ..model.model import CausalLM, upload
 
@@ -73,9 +73,9 @@ class Eagle3Head(nn.Module):
         self.name = "(unnamed)"  # the folder it was loaded from
         self.acceptance: float | None = None  # what its training measured on held-out answers, if recorded
         self.vocab_size = target.vocab_size
-        rope = LlamaConfig(**{**config, "head_dim": self.head_dim, "max_position_embeddings": target.max_len})
         positions = torch.arange(target.max_len)[None]  # [1, S]
-        cos, sin = rotary(rope)(torch.empty(0, dtype=torch.float32), positions)
+        rope = rotary_of(config, self.head_dim, target.max_len)
+        cos, sin = rope(torch.empty(0, dtype=torch.float32), positions)
         self.register_buffer("cos", cos[0], persistent=False)  # [S, D]
         self.register_buffer("sin", sin[0], persistent=False)
         self.cache = KVCache(1, kv_heads, self.head_dim, target.max_len, target.dtype, target.device)
@@ -90,19 +90,24 @@ class Eagle3Head(nn.Module):
         }
         self.blocks: dict[str, BlockWeight] = {}  # products held as Q8_0 blocks (``finish``), by name
 
-    def finish(self) -> Eagle3Head:
+    def finish(self, blocks: bool = True) -> Eagle3Head:
         """After the weights load: the map from draft to target ids, on the target's device and dtype;
-        beside a target whose kernels are native (CPU float32, engine/cpu/csrc built), the products as
-        Q8_0 blocks through the block kernels: a quarter of the bytes a step reads, which is what a
-        CPU step costs (the drafts stay exact: each carries the q it was drawn from)."""
+        beside a target whose kernels are native (CPU float32, engine/cpu/csrc built), unless not
+        ``blocks``, the products as Q8_0 blocks through the block kernels: a quarter of the bytes a
+        step reads, which is what a CPU step costs (the drafts stay exact: each carries the q it was
+        drawn from); their float weights are let go."""
         self.requires_grad_(False).eval()
         self.to(device=self.target.device, dtype=self.target.dtype)
         self.draft_to_target = draft_target_ids(self.d2t)  # [Vd]
-        if self.target.kernels.native and all(m.in_features % 32 == 0 for ms in self.stacked.values() for m in ms):
+        linears = [module for modules in self.stacked.values() for module in modules]
+        if blocks and self.target.kernels.native and all(m.in_features % 32 == 0 for m in linears):
             isa = kernel_isa()
             for name, modules in self.stacked.items():
                 bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
                 self.blocks[name] = q8_blocks(torch.cat([m.weight for m in modules]), bias, isa)
+                for module in modules:  # the blocks are its weights now
+                    module.weight = nn.Parameter(torch.empty(module.weight.shape, device="meta"), requires_grad=False)
+            release_freed_memory()  # the float weights, before the timing's temporaries
             self.blocks = with_direct_rows(self.blocks, {})  # a catch-up over many tokens: kernel or tiles
         return self
 
@@ -131,7 +136,7 @@ class Eagle3Head(nn.Module):
         """Tokens [T] with features [T, H] at the next T positions of the head's cache -> (logits
         [1, V] over the target's vocabulary for the last position, -inf outside the head's, and
         that position's pre-norm output [1, H], the next position's features)."""
-        ids = token_ids if isinstance(token_ids, torch.Tensor) else upload(token_ids, self.fc.weight.device)
+        ids = token_ids if isinstance(token_ids, torch.Tensor) else upload(token_ids, self.target.device)
         count, start = ids.shape[0], self.cache.length
         positions = self.target.positions[start : start + count]  # [T]
         layer = self.midlayer
@@ -221,8 +226,9 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}))
 
 
-def load_head(ref: str, target: CausalLM) -> Eagle3Head:
-    """The head at ``ref`` (a folder, or a hub id in the local cache), checked against the target."""
+def load_head(ref: str, target: CausalLM, blocks: bool = True) -> Eagle3Head:
+    """The head at ``ref`` (a folder, or a hub id in the local cache), checked against the target;
+    not ``blocks``: with the checkpoint's float weights wherever it runs (``Eagle3Head.finish``)."""
     folder = Path(locate(ref)[0])
     config, ids, norm_before_residual = read_config(folder)
     ids = ids or default_aux_layers(len(target.layers))
@@ -256,7 +262,7 @@ def load_head(ref: str, target: CausalLM) -> Eagle3Head:
     report = folder / "training.json"
     if report.is_file():
         head.acceptance = json.loads(report.read_text()).get("held_out_acceptance")
-    return head.finish()
+    return head.finish(blocks)
 
 
 def save_head(head_weights: dict[str, torch.Tensor], config: dict, folder: Path) -> None:

@@ -14,6 +14,8 @@ says whether a file can be read so, and why not. Everything else goes through tr
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,12 +32,11 @@ CONFIG_KEYS = {
     "num_hidden_layers": "block_count",
     "intermediate_size": "feed_forward_length",
     "hidden_size": "embedding_length",
-    "rope_theta": "rope.freq_base",
     "num_attention_heads": "attention.head_count",
     "num_key_value_heads": "attention.head_count_kv",
     "rms_norm_eps": "attention.layer_norm_rms_epsilon",
 }
-TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
+TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
 # a layer's products, each as the linear layers stacked in it (CausalLM stacks q/k/v and gate/up: FUSED)
 PRODUCTS = (FUSED["qkv"], ("o_proj",), FUSED["gate_up"], ("down_proj",))
 
@@ -49,11 +50,40 @@ def direct_gguf(file: GGUFFile) -> str | None:
     return None
 
 
-def model_config(file: GGUFFile):
-    """The transformers config of the file's model, from its metadata (the keys transformers reads)."""
-    from transformers import AutoConfig
+@dataclass
+class GGUFConfig:
+    """The model's shape as its file states it: the fields of transformers' config for the same
+    file that the engine reads, with that config class's defaults where the file is silent. Not
+    transformers' own class: importing any of its configs imports torch's distributed tensors
+    (60 MB of a server's memory) through its validators."""
 
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    name_or_path: str = ""  # the folder the file is in
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope_parameters["rope_theta"]
+
+
+def model_config(file: GGUFFile) -> GGUFConfig:
+    """The config of the file's model, from its metadata (the keys transformers reads)."""
     fields = {name: value for name, key in CONFIG_KEYS.items() if (value := file.field(key)) is not None}
+    fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
     fields |= {
         name: file.metadata[f"tokenizer.ggml.{key}_token_id"]
         for name, key in TOKEN_IDS.items()
@@ -61,15 +91,18 @@ def model_config(file: GGUFFile):
     }
     tokens = file.metadata.get("tokenizer.ggml.tokens")
     fields["vocab_size"] = file.field("vocab_size", len(tokens) if tokens else None)
-    if file.arch == "llama" and file.field("rope.dimension_count") is not None:
-        fields["head_dim"] = file.field("rope.dimension_count")
+    # the head size: llama's files state it as the rotary width; transformers' Qwen3 config
+    # takes 128 whatever the file says (and so do Qwen3's checkpoints); else hidden / heads
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    if file.arch == "llama":
+        head_dim = file.field("rope.dimension_count", head_dim)
+    fields["head_dim"] = 128 if file.arch == "qwen3" else head_dim
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(file.field("rope.freq_base", 10000.0))}
     fields["tie_word_embeddings"] = "output.weight" not in file.tensors
     model_type = file.arch
     if model_type == "llama" and "mistral" in str(file.metadata.get("general.name", "")).lower():
         model_type = "mistral"
-    config = AutoConfig.for_model(model_type, **fields)
-    config.name_or_path = str(file.path.parent)  # where transformers' config says it was read from
-    return config
+    return GGUFConfig(model_type=model_type, name_or_path=str(file.path.parent), **fields)
 
 
 class Linear(nn.Module):
@@ -138,7 +171,7 @@ class Decoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = config.head_dim
         bias = config.model_type == "qwen2"
         self.model = Body(config, head_dim, bias, head_norms=config.model_type == "qwen3")
         self.lm_head = Linear(config.vocab_size, config.hidden_size, False)

@@ -9,6 +9,8 @@ from them gives the same bits as one transformers built.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -59,3 +61,19 @@ def rotary(config) -> nn.Module:
 
         return LlamaRotaryEmbedding(config)
     return Rotary(config)
+
+
+def rotary_of(fields: dict, head_dim: int, max_len: int) -> nn.Module:
+    """The rotary module for a checkpoint's ``config.json`` fields (an EAGLE-3 head's): plain RoPE
+    from its theta, as transformers reads it (``rope_parameters``, or the older ``rope_theta`` and
+    ``rope_scaling``); any other RoPE through transformers' config, whose import costs 60 MB."""
+    rope = fields.get("rope_parameters") or {
+        **(fields.get("rope_scaling") or {}),
+        "rope_theta": fields.get("rope_theta"),
+    }
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        theta = rope.get("rope_theta") or 10000.0  # LlamaConfig's default
+        return Rotary(SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": theta}, head_dim=head_dim))
+    from transformers import LlamaConfig
+
+    return rotary(LlamaConfig(**{**fields, "head_dim": head_dim, "max_position_embeddings": max_len}))

@@ -21,6 +21,7 @@ import torch
 from ..config import DTYPES, ConfigError, EngineConfig, dtype_name, torch_dtype_of
 from ..cpu.blocks import FileTensors, native_ops_available
 from ..cpu.gguf_file import GGUFFile
+from ..cpu.memory import release_freed_memory
 from .from_gguf import direct_gguf, read_gguf_target
 
 if TYPE_CHECKING:  # transformers takes a second to import: the start-up checks run without it
@@ -114,10 +115,25 @@ def _cached_snapshot(repo_id: str) -> str:
 
 
 def load_tokenizer(ref: str | None) -> PreTrainedTokenizerBase:
+    where, extra = locate(ref)
+    if "gguf_file" in extra:
+        return gguf_tokenizer(Path(where) / extra["gguf_file"])
     from transformers import AutoTokenizer
 
-    where, extra = locate(ref)
     return AutoTokenizer.from_pretrained(where, **extra)
+
+
+def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer a GGUF file describes, made by transformers' own GGUF converter, as its
+    ``AutoTokenizer`` makes it, but without the detour through the model's config that
+    ``AutoTokenizer`` takes to choose a class: that imports transformers' config classes (and with
+    them 60 MB of torch's distributed tensors) and reads the file's metadata a second time."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, described, settings = get_gguf_tokenizer(str(path))
+    backend, more = convert_gguf_tokenizer(architecture, described)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=str(path.parent), **settings, **more)
 
 
 def load_model(ref: str | None, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -169,6 +185,7 @@ def load(
     from its file (``direct_target``), not as a transformers model; for the engine alone."""
     device, dtype = config.torch_device, config.torch_dtype
     tokenizer = load_tokenizer(config.target)
+    release_freed_memory()  # the conversion's vocabulary and merges, before the target is read
     progress("tokenizer")
     where, extra = locate(config.target)
     target_file = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None

@@ -154,17 +154,18 @@ def test_beside_a_cpu_float32_target_the_head_multiplies_q8_0_blocks():
     """Its products are Q8_0 blocks of its weights (a quarter of the bytes a step reads): its logits
     stay within Q8_0's rounding of the float32 head's, and the greedy output is still the target's."""
     target_hf = tiny_llama(seed=3, vocab_size=96, layers=4, init=0.2)
-    engine = eagle_engine(target_hf, random_eagle3_head(target_hf, (0, 1, 3), seed=1, scale=2.0))
+    folder = random_eagle3_head(target_hf, (0, 1, 3), seed=1, scale=2.0)
+    engine = eagle_engine(target_hf, folder)
     head = engine.drafter("eagle3").head
     assert set(head.blocks) == {"fc", "qkv", "o", "gate_up", "down", "lm_head"}
     assert "Q8_0 products" in head.describe()
+    assert all(module.weight.is_meta for modules in head.stacked.values() for module in modules)  # let go
     features = torch.randn(5, head.fc.in_features)
     quantized, _ = head.step([1, 2, 3, 4, 5], head.fuse(features))  # [1, V]
     head.cache.rollback(0)
-    held, head.blocks = head.blocks, {}
-    exact, _ = head.step([1, 2, 3, 4, 5], head.fuse(features))
-    head.cache.rollback(0)
-    head.blocks = held
+    float_head = load_head(str(folder), engine.target, blocks=False)
+    assert not float_head.blocks
+    exact, _ = float_head.step([1, 2, 3, 4, 5], float_head.fuse(features))
     inside = torch.isfinite(exact)
     assert torch.equal(inside, torch.isfinite(quantized)) and not torch.equal(quantized, exact)
     assert torch.allclose(quantized[inside], exact[inside], rtol=0.05, atol=0.05 * float(exact[inside].abs().max()))
