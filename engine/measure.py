@@ -21,16 +21,25 @@ from .cpu.plan_cache import PlanCache, digest
 from .model.model import CausalLM
 from .model.timing import synchronize
 
+# How much more than the target alone a copy must promise for copy:auto to keep it beside the auto
+# drafter (which can do without one). Start-up times bare forwards; a live step also samples,
+# carries q and keeps books: on an idle Xeon an int8 copy's live step cost 18.2 ms against its timed
+# 16.6, and a verify of one draft 21.9 ms against 19.1. A copy promising 0.4-1% more (the int8
+# copy here, three starts) then runs at break-even or below, and holds 135 MB.
+KEEP_MARGIN = 1.10
+
 log = logging.getLogger(__name__)
 
 
-def read_seconds(model: CausalLM, num_tokens: int, repeats: int) -> float:
-    """The best of ``repeats`` timed forwards of ``model`` over ``num_tokens`` tokens from an empty cache."""
+def read_seconds(model: CausalLM, num_tokens: int, repeats: int, num_logits: int = 1) -> float:
+    """The best of ``repeats`` timed forwards of ``model`` over ``num_tokens`` tokens from an empty
+    cache, with logits for the last ``num_logits`` (a verify scores every row: each costs a row of
+    the LM head, a tenth of a step for the embedded model)."""
     best = float("inf")
     for _ in range(repeats):
         model.cache.rollback(0)
         started = time.perf_counter()
-        model.extend([0] * num_tokens)
+        model.extend([0] * num_tokens, num_logits)
         synchronize(model.device)
         best = min(best, time.perf_counter() - started)
     model.cache.rollback(0)
@@ -43,9 +52,12 @@ def prefill_seconds_per_token(model: CausalLM, num_tokens: int = 128) -> float:
     return read_seconds(model, num_tokens, repeats=2) / num_tokens
 
 
-def extra_row_seconds(model: CausalLM, num_rows: int, one_row_seconds: float, repeats: int = 3) -> float:
-    """What each row beyond the first adds to a short forward of ``model`` (one row: ``one_row_seconds``)."""
-    extra = read_seconds(model, num_rows, repeats) - one_row_seconds
+def extra_row_seconds(
+    model: CausalLM, num_rows: int, one_row_seconds: float, repeats: int = 3, scored: bool = False
+) -> float:
+    """What each row beyond the first adds to a short forward of ``model`` (one row: ``one_row_seconds``);
+    ``scored``: with logits for every row, as a verify computes them (a catch-up needs the last only)."""
+    extra = read_seconds(model, num_rows, repeats, num_rows if scored else 1) - one_row_seconds
     return max(extra, 0.0) / max(num_rows - 1, 1)
 
 
@@ -81,8 +93,8 @@ def choose_copy(
     """``copy:auto``: the bfloat16 copy of the target, or the same weights as int8 rows, whichever
     promises more tokens per second: expected_tokens(agreement, k) over k draft steps and a verify,
     each timed here, at its best k up to ``num_draft_tokens``. With ``may_keep_none`` (the auto
-    drafter, which has other candidates), neither where the target alone decodes faster than either
-    promises: a copy that cannot pay only costs memory and auto's probes. Off CPU (no int8 kernel
+    drafter, which has other candidates), neither unless one promises KEEP_MARGIN more than the target
+    alone decodes: a copy that cannot pay only costs memory and auto's probes. Off CPU (no int8 kernel
     there) the bfloat16 copy, unmeasured. Returns the chosen model (None: none), what it is
     ("bfloat16", "int8" or "none"), and its measured agreement with the target (None: not measured).
     With a ``cache``, the choice is stored beside the target's matmul plan (unless timed on a busy
@@ -107,7 +119,7 @@ def choose_copy(
     most = max(num_draft_tokens, 1)
     read_seconds(target, 1, repeats=1)  # first-call costs
     alone = read_seconds(target, 1, repeats=3)
-    per_row = extra_row_seconds(target, most + 1, alone, repeats=2)  # a verify of k drafts: alone + k * per_row
+    per_row = extra_row_seconds(target, most + 1, alone, 2, scored=True)  # a verify of k drafts: alone + k * per_row
     rates, found, agreements = {"none": 1 / alone}, {}, {}
     for form, model in (("bfloat16", bfloat16), ("int8", int8)):
         read_seconds(model, 1, repeats=1)  # first-call costs
@@ -120,7 +132,7 @@ def choose_copy(
         )
     found["none"] = f"none (the target alone: step {alone * 1e3:.1f} ms, {rates['none']:.1f} tok/s)"
     candidates = [form for form in rates if may_keep_none or form != "none"]
-    chosen = max(candidates, key=rates.__getitem__)
+    chosen = max(candidates, key=lambda form: rates[form] / (KEEP_MARGIN if form != "none" and may_keep_none else 1))
     others = ", ".join(text for form, text in found.items() if form in candidates and form != chosen)
     log.info("draft copy:auto chose %s over %s", found[chosen], others)
     if key:
@@ -145,7 +157,7 @@ def _kept_copy(form: str, bfloat16: CausalLM, max_rows: int, cache: PlanCache | 
 def _choice_key(target: CausalLM, num_draft_tokens: int, may_keep_none: bool) -> str:
     """What ``copy:auto``'s choice is stored under: the target's plan key (the host and the weights'
     shapes), which model it is (agreement depends on its values), k and whether none may be kept."""
-    described = [target.weights.plan_key, target.config.name_or_path, num_draft_tokens, may_keep_none]
+    described = [target.weights.plan_key, target.config.name_or_path, num_draft_tokens, may_keep_none, KEEP_MARGIN]
     return "copy-auto-" + digest(described)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.factory import build_engine, warm_up
-from engine.measure import choose_copy
+from engine.measure import KEEP_MARGIN, choose_copy
 from engine.model.loader import converted_copy
 from engine.model.model import CausalLM
 from engine.model.weights import Int8Weight
@@ -97,10 +97,13 @@ def test_copy_auto_times_both_copies_and_keeps_the_faster(caplog):
 
 
 def test_copy_auto_for_the_auto_drafter_keeps_no_copy_where_the_target_alone_is_faster(caplog):
-    """Beside the auto drafter the target alone is a third choice, priced from its own timed step;
-    the choice is still the fastest of the three, and choosing it returns no model."""
+    """Beside the auto drafter the target alone is a third choice, priced from its own timed step; a
+    copy is kept only where it promises KEEP_MARGIN more, and choosing none returns no model."""
     chosen, form, agreed, line, rates = _chosen_copy(caplog, may_keep_none=True)
-    assert set(rates) == {"int8", "bfloat16", "none"} and form == max(rates, key=rates.__getitem__)
+    copies = {"int8", "bfloat16"}
+    assert set(rates) == copies | {"none"}
+    best = max(copies, key=rates.__getitem__)  # kept only where it promises clearly more than none
+    assert form == (best if rates[best] > KEEP_MARGIN * rates["none"] else "none")
     assert re.search(r"none \(the target alone: step [\d.]+ ms, [\d.]+ tok/s\)", line)
     assert (chosen is None) == (form == "none") and (agreed is None) == (form == "none")
 

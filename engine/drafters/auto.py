@@ -95,7 +95,7 @@ class AutoDrafter(Drafter):
             return
         target, draft, config = self.resources.target, self.resources.draft, self.resources.config
         max_query = config.num_draft_tokens + 2
-        timed = [read_seconds(target, k + 1, repeats=2) for k in range(max_query - 1)]
+        timed = [read_seconds(target, k + 1, 2, num_logits=k + 1) for k in range(max_query - 1)]  # as a verify
         draft_step = None
         if draft is not None:
             draft_step = read_seconds(draft, 1, repeats=3)
@@ -194,8 +194,8 @@ class AutoDrafter(Drafter):
         request = self._request
         yielded, expected = request.yields.get(track, (0.0, 0.0))
         request.yields[track] = (
-            EVIDENCE_DECAY * yielded + accepted + 1,
-            EVIDENCE_DECAY * expected + expected_tokens(self._alpha(track), asked or drafted),
+            EVIDENCE_DECAY * yielded + accepted,
+            EVIDENCE_DECAY * expected + expected_tokens(self._alpha(track), asked or drafted) - 1,
         )
         successes, rejections = request.evidence.get(track, (0.0, 0.0))
         successes = EVIDENCE_DECAY * successes + accepted
@@ -208,11 +208,13 @@ class AutoDrafter(Drafter):
         return self._request.alpha.get(track, self._request.priors.get(track, ALPHA_PRIOR))
 
     def _tokens(self, track: str, k: int) -> float:
-        """Tokens a step drafting k is expected to yield: geometric at the track's acceptance, scaled by
-        what its steps realised against that (from 1), at most all k and the bonus token."""
+        """Tokens a step drafting k is expected to yield: the target's own token, which every step
+        yields, and the drafts expected to pass, geometric at the track's acceptance and scaled by
+        what its steps' drafts realised against that (from 1), at most all k. (Scaling the whole
+        yield priced a weak text match below a plain step, which it can never yield less than.)"""
         yielded, expected = self._request.yields.get(track, (0.0, 0.0))
         bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
-        return min(bias * expected_tokens(self._alpha(track), k), k + 1.0)
+        return 1.0 + min(bias * (expected_tokens(self._alpha(track), k) - 1), float(k))
 
     def _text_step(self, offers: dict[str, tuple[Proposal, str]]) -> tuple[tuple[str | None, int], float, float]:
         """The best of the text matchers' offers (whole, or their first k tokens: where a verify row
