@@ -202,14 +202,18 @@ def test_an_aborted_request_frees_its_slot():
 
 def test_a_side_request_leaves_the_conversation_its_slot_or_the_store():
     """A chat front end's title request shares only the template's opening with the conversation:
-    with a free slot it takes that one; with one slot, the conversation comes back from the store."""
+    with a free slot it takes that one, even where the opening is most of its own short prompt (it
+    would keep 8 of the 70 tokens the conversation's slot holds); with one slot, the conversation
+    comes back from the store."""
     target, draft = pair()
-    opening, conversation = [1, 2, 3], [1, 2, 3, *range(10, 70)]
-    for slots, expected in ((2, len(conversation)), (1, 32 * (len(conversation) // 32))):
-        engine = tiny_engine(target, draft, max_num_seqs=slots)
-        turns = [("c1", conversation), ("title", [*opening, *range(80, 90)]), ("c2", [*conversation, 5])]
-        results = serve(engine, [[Request(rid, prompt, GREEDY, tenant="a")] for rid, prompt in turns])
-        assert results[2][1] == expected, slots
+    opening = list(range(1, 9))
+    conversation = [*opening, *range(10, 70)]
+    for title in ([*opening[:3], *range(80, 90)], [*opening, *range(80, 84)]):
+        for slots, expected in ((2, len(conversation)), (1, 32 * (len(conversation) // 32))):
+            engine = tiny_engine(target, draft, max_num_seqs=slots)
+            turns = [("c1", conversation), ("title", title), ("c2", [*conversation, 5])]
+            results = serve(engine, [[Request(rid, prompt, GREEDY, tenant="a")] for rid, prompt in turns])
+            assert results[2][1] == expected, (slots, len(title))
 
 
 def test_a_compiled_static_forward_serves_every_slot_by_copy():

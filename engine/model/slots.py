@@ -22,7 +22,7 @@ import torch
 
 from .kv import KVCache, lazy_zeros
 
-CONTINUES = 0.5  # a slot is taken for a prompt when it already holds at least this share of it
+CONTINUES = 0.5  # a slot is taken for a prompt sharing at least this share of the prompt and of what it holds
 
 
 def _fresh(value: Any) -> Any:
@@ -119,12 +119,13 @@ class SlotTable:
         return cache.matching(prompt, 0, min(cache.length, len(prompt) - 1))
 
     def choose(self, tenant: str, prompt: list[int]) -> Slot | None:
-        """A free slot for a request of ``tenant``: of those already holding at least ``CONTINUES``
-        of its prompt, or their last request's whole prompt, the one holding the most; else the
-        least recently used (one never used first). So a next turn, a regenerated answer or an
-        agent's next call finds its slot, and a side request (a chat front end's title request,
-        whose prompt shares only the template's opening with the conversation) does not displace
-        the conversation. None when every slot is busy."""
+        """A free slot for a request of ``tenant``: of those holding their last request's whole
+        prompt, or at least ``CONTINUES`` of this prompt and of what they hold, the one holding the
+        most; else the least recently used (one never used first). So a next turn, a regenerated
+        answer or an agent's next call finds its slot, and a side request (a chat front end's title
+        request, whose prompt shares only the template's opening with the conversation, however
+        much of its own short prompt that is) does not displace the conversation. None when every
+        slot is busy."""
         free = [slot for slot in self.slots if not slot.busy]
         if not free:
             return None
@@ -132,7 +133,7 @@ class SlotTable:
             (shared, slot)
             for slot in free
             if (shared := self.shared(slot, tenant, prompt)) > 0
-            and (shared >= CONTINUES * len(prompt) or shared >= slot.prompt_len)
+            and (shared >= slot.prompt_len or shared >= CONTINUES * max(len(prompt), self._target_cache(slot).length))
         ]
         if continued:
             return max(continued, key=lambda pair: (pair[0], pair[1].last_used))[1]
