@@ -10,6 +10,9 @@ TARGET_ONLY = "serve:none"
 DEFAULT = "serve:default"
 HF_GENERATE = "hf:generate"
 LLAMA_CPP = "llama.cpp"
+# a second server on the same file with --activations int8 (llama.cpp's arithmetic), up beside the first
+INT8 = "serve-int8:"
+INT8_TARGET_ONLY, INT8_DEFAULT = f"{INT8}none", f"{INT8}default"
 # issue 13's targets, per prompt type unless named; best_vs_target_only only on the types listed
 GOALS = {"default_vs_target_only": 1.0, "default_vs_best_hf": 1.2, "best_vs_target_only": 2.0}
 GOAL_TWO_X_TYPES = ("code", "summarise", "long", "agentic")
@@ -75,7 +78,11 @@ def summarise(configs: list, runs: dict[str, dict[str, list]], bound_s: float) -
     results: dict[str, dict[str, dict]] = {}
     for kind, by_label in runs.items():
         reference = by_label.get(TARGET_ONLY) or by_label.get(HF_GENERATE)
-        results[kind] = {label: _metrics(kind_runs, reference, bound_s) for label, kind_runs in by_label.items()}
+        int8_reference = by_label.get(INT8_TARGET_ONLY)  # another target: its drafters keep its own output
+        results[kind] = {
+            label: _metrics(kind_runs, int8_reference if label.startswith(INT8) else reference, bound_s)
+            for label, kind_runs in by_label.items()
+        }
         base = results[kind].get(HF_GENERATE, {}).get("decode_tokens_per_s")
         own = results[kind].get(TARGET_ONLY, {}).get("decode_tokens_per_s")
         for metrics in results[kind].values():
@@ -121,6 +128,7 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         if LLAMA_CPP in metrics:
             entry["default_vs_llama_cpp"] = round(default / _speed(metrics, LLAMA_CPP), 3)
             entry["target_only_vs_llama_cpp"] = round(own / _speed(metrics, LLAMA_CPP), 3)
+        entry |= _int8_ratios(metrics, own)
         goals = GOALS if kind in GOAL_TWO_X_TYPES else {k: v for k, v in GOALS.items() if k != "best_vs_target_only"}
         entry["met"] = {name: entry[name] >= goal for name, goal in goals.items()}
         targets[kind] = entry
@@ -128,10 +136,27 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         by_type = list(targets.values())
         geomean = round(statistics.geometric_mean([entry["default_vs_target_only"] for entry in by_type]), 3)
         targets["all"] = {"default_vs_target_only_geomean": geomean, "met": geomean >= GOAL_DEFAULT_GEOMEAN}
-        for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp"):  # the same file and threads
+        for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp", *INT8_RATIOS):  # the same file, threads
             if all(name in entry for entry in by_type):
                 targets["all"][f"{name}_geomean"] = round(statistics.geometric_mean([e[name] for e in by_type]), 3)
     return targets
+
+
+INT8_RATIOS = ("int8_target_only_vs_target_only", "int8_default_vs_int8_target_only", "int8_target_only_vs_llama_cpp")
+
+
+def _int8_ratios(metrics: dict[str, dict], own: float) -> dict[str, float]:
+    """The int8 target beside the float32 one (same file, same run): its target-only over float32's,
+    its default over its own target-only, and its target-only over llama.cpp; what was measured."""
+    if INT8_TARGET_ONLY not in metrics:
+        return {}
+    int8_own = _speed(metrics, INT8_TARGET_ONLY)
+    ratios = {"int8_target_only_vs_target_only": round(int8_own / own, 3)}
+    if INT8_DEFAULT in metrics:
+        ratios["int8_default_vs_int8_target_only"] = round(_speed(metrics, INT8_DEFAULT) / int8_own, 3)
+    if LLAMA_CPP in metrics:
+        ratios["int8_target_only_vs_llama_cpp"] = round(int8_own / _speed(metrics, LLAMA_CPP), 3)
+    return ratios
 
 
 def _sse_ratios(results: dict[str, dict[str, dict]]) -> dict:
@@ -245,6 +270,18 @@ def summary(report: dict, full_tables: str) -> str:
             "Over llama.cpp on the same GGUF file and threads, geometric mean: target-only "
             f"{every['target_only_vs_llama_cpp_geomean']:.2f}x, default {every['default_vs_llama_cpp_geomean']:.2f}x.",
         ]
+    every = targets.get("all", {})
+    if "int8_target_only_vs_target_only_geomean" in every:
+        line = (
+            "With int8 activations (`--activations int8`, llama.cpp's arithmetic on the same blocks; a second server "
+            "up beside the first, the two taking turns), geometric means: target-only "
+            f"{every['int8_target_only_vs_target_only_geomean']:.2f}x float32 target-only"
+        )
+        if "int8_default_vs_int8_target_only_geomean" in every:
+            line += f", its default {every['int8_default_vs_int8_target_only_geomean']:.2f}x its target-only"
+        if "int8_target_only_vs_llama_cpp_geomean" in every:
+            line += f", its target-only {every['int8_target_only_vs_llama_cpp_geomean']:.2f}x llama.cpp"
+        lines += ["", line + "."]
     for name, why in report.get("refused", {}).items():
         lines += ["", f"serve:{name}: not measured; the server refused it ({why})."]
     lines += ["", f"Every configuration, latency, acceptance and memory: [{full_tables}]({full_tables})."]

@@ -8,6 +8,9 @@ Configurations, run in interleaved order so machine noise hits all alike:
   llama.cpp (llama-cpp-python on the same GGUF file, same thread count), when it imports;
   serve:default (no speculative settings: the server's default), serve:<drafter>[+adaptive],
   through a ``specserve serve`` subprocess's streaming API (SSE);
+  serve-int8:none and serve-int8:default (``--int8-drafters``), a second server on the same file
+  with ``--activations int8``, started once the first is ready and then up beside it: the int8
+  and float32 targets side by side, their greedy outputs each checked against their own target-only;
   engine:<drafter>[+adaptive], the engine in this process, to price the HTTP layer.
 Prompt types agentic and multi-turn are conversations run turn by turn, each turn's request
 carrying the assistant turns that configuration generated before; each configuration sends its
@@ -78,6 +81,8 @@ def configurations(args: argparse.Namespace) -> list[Config]:
         configs.append(Config(f"serve:{drafter}", "serve", drafter))
         if drafter in adaptive and drafter != "none":
             configs.append(Config(f"serve:{drafter}+adaptive", "serve", drafter, True))
+    for drafter in filter(None, args.int8_drafters.split(",")):
+        configs.append(Config(f"serve-int8:{drafter}", "serve-int8", drafter))
     for name in filter(None, args.in_process.split(",")):
         drafter, _, suffix = name.partition("+")
         configs.append(Config(f"engine:{name}", "engine", drafter, suffix == "adaptive"))
@@ -100,6 +105,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="the server's sampling (0: greedy, checked)")
     parser.add_argument("--serve-only", action="store_true", help="no HF or llama.cpp rows (sampled runs)")
     parser.add_argument("--server-args", default="", help="more `specserve serve` flags, e.g. '--gguf-blocks off'")
+    parser.add_argument(
+        "--int8-drafters", default="none,default", help="through a second server with --activations int8 ('': none)"
+    )
     args = parser.parse_args()
     args.repeats = args.repeats or 1
     args.max_tokens = args.max_tokens or (64 if args.quick else 96)
@@ -112,12 +120,10 @@ def main() -> None:
 
     bandwidths = [measure_read_bandwidth()]
     close_servers_on_terminate()
-    server = ServerRunner(
-        ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"]
-        + args.server_args.split(),
-        logs_dir / f"{args.name}-server.log",
-        temperature=args.temperature,
-    )
+    server_args = ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"]
+    server_args += args.server_args.split()
+    server = ServerRunner(server_args, logs_dir / f"{args.name}-server.log", temperature=args.temperature)
+    int8 = None
     try:
         # The server times its steps and its draft copies at start-up: loading models here meanwhile
         # would make those timings (and what they decide) the ones of a busy host.
@@ -128,6 +134,7 @@ def main() -> None:
         for name, why in args.refused.items():
             print(f"serve:{name}: not measured, the server refuses it: {why}", file=sys.stderr)
         args.drafters = ",".join(name for name in args.drafters.split(",") if name not in args.refused)
+        int8 = int8_server(args, server_args, logs_dir) if args.int8_drafters else None
         # HF assisted drafts with a bfloat16 copy, its best; the in-process engine with args.draft,
         # built from its own copies (an engine owns its models: packing or quantizing frees the
         # weights as the checkpoint held them, which HF's own runs here still need)
@@ -142,6 +149,7 @@ def main() -> None:
             "hf": HFRunner(models.target, models.draft, models.tokenizer.eos_token_id),
             "engine": EngineRunner(engine),
             "serve": server,
+            "serve-int8": int8,
         }
         args.llama_cpp = LlamaCppRunner.available() and engine_config.target is None
         if args.llama_cpp:
@@ -160,6 +168,8 @@ def main() -> None:
         bandwidths.append(measure_read_bandwidth())
     finally:
         server.close()
+        if int8 is not None:
+            int8.close()
     print("read bandwidth GB/s: " + ", ".join(f"{b / 1e9:.1f}" for b in bandwidths), file=sys.stderr)
     final = report(args, models, engine, server, configs, runs, bandwidths)
     out.write_text(json.dumps(final, indent=2) + "\n")
@@ -170,6 +180,25 @@ def main() -> None:
     if args.update_readme:
         update_readme(BENCH.parent / "README.md", text, args.name)
     print(f"\nwrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')}", file=sys.stderr)
+
+
+def int8_server(args, server_args: list[str], logs_dir: Path) -> ServerRunner | None:
+    """The second server, int8 activations on the same file, once the first is ready (start-up
+    times what it decides: two starting together would time a busy host); None, with the reason
+    said and its configurations dropped, where it cannot serve (a target that is no GGUF file)."""
+    runner = ServerRunner(
+        [*server_args, "--activations", "int8"], logs_dir / f"{args.name}-server-int8.log", temperature=args.temperature
+    )
+    try:
+        runner.wait_ready()
+    except RuntimeError as exc:
+        runner.close()
+        print(f"serve-int8: not measured ({exc})", file=sys.stderr)
+        args.int8_drafters = ""
+        return None
+    refused = {name for name in args.int8_drafters.split(",") if name != "default" and runner.refusal(name)}
+    args.int8_drafters = ",".join(name for name in args.int8_drafters.split(",") if name not in refused)
+    return runner
 
 
 def report(args, models, engine, server, configs: list[Config], runs: dict, bandwidths: list[float]) -> dict:
@@ -192,7 +221,16 @@ def report(args, models, engine, server, configs: list[Config], runs: dict, band
         "bound_ms_per_forward": round(bound_s * 1e3, 2),
         "settings": {
             k: getattr(args, k)
-            for k in ("draft", "num_draft_tokens", "max_tokens", "repeats", "quick", "temperature", "server_args")
+            for k in (
+                "draft",
+                "num_draft_tokens",
+                "max_tokens",
+                "repeats",
+                "quick",
+                "temperature",
+                "server_args",
+                "int8_drafters",
+            )
         },
         "server_draft": server.draft,  # what the server loaded (copy:auto's choice)
         "refused": args.refused,  # drafters the server would not run (no draft kept), and why

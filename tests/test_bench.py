@@ -186,6 +186,43 @@ def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
     assert "serve:model: not measured; the server refused it (no draft kept)" in short
 
 
+def test_the_int8_target_is_checked_against_its_own_target_only_and_set_beside_the_float32_one():
+    runs = {
+        kind: {
+            "hf:generate": [_run(11, 1.0, "f")],  # 10 tokens/s
+            "llama.cpp": [_run(11, 0.25, "f")],  # 40
+            "serve:none": [_run(11, 0.5, "f", forwards=10)],  # 20
+            "serve:default": [_run(11, 0.4, "f", forwards=5)],  # 25
+            "serve-int8:none": [_run(11, 0.4, "i", forwards=10)],  # 25: another target, another text
+            "serve-int8:default": [_run(11, seconds, "i" if kind == "chat" else "x", forwards=5)],
+        }
+        for kind, seconds in (("chat", 0.2), ("code", 0.1))  # int8 default 50 and 100
+    }
+    report = summarise([], runs, bound_s=0.01)
+    chat, code = report["results"]["chat"], report["results"]["code"]
+    assert chat["serve-int8:none"]["greedy_identical"] and chat["serve-int8:default"]["greedy_identical"]
+    assert code["serve-int8:default"]["greedy_identical"] is False  # against int8 target-only's text, not float32's
+    target = report["targets"]["chat"]
+    assert target["best"] == "serve:default"  # the int8 server's rows are not the float32 target's drafters
+    assert target["int8_target_only_vs_target_only"] == 1.25 and target["int8_default_vs_int8_target_only"] == 2.0
+    assert target["int8_target_only_vs_llama_cpp"] == 0.625
+    every = report["targets"]["all"]
+    assert every["int8_default_vs_int8_target_only_geomean"] == 2.828  # sqrt(2 * 4)
+    full = {
+        "model": "m",
+        "settings": {"max_tokens": 10, "repeats": 1},
+        "machine": {"read_bandwidth_gb_s": 1, "cpu": {"model": "cpu", "family": "25", "flags": [], "cpus": 2}},
+        "bound_ms_per_forward": 10,
+        **report,
+    }
+    assert "| serve-int8:default | 50.0 (2.50x) | 100.0 (5.00x) |" in tables(full)
+    short = summary(full, "x.md")
+    assert (
+        "target-only 1.25x float32 target-only, its default 2.83x its target-only, its target-only 0.62x llama.cpp"
+        in short
+    )
+
+
 def test_a_bench_saves_what_it_measured_after_every_round_and_says_how_far_it_got(tiny_model_dirs, tmp_path, capsys):
     """make bench's measuring loop against a real server on the tiny model: after each round of
     configurations the results so far are saved (a run cut short keeps them), and every run prints
