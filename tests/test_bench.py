@@ -107,6 +107,14 @@ def _run(tokens: int, seconds: float, text: str, forwards: int | None = None, st
     return run
 
 
+def report_file(report: dict, flags: list[str] | None = None, **more) -> dict:
+    """``summarise``'s report as bench/speed.py writes it, on a made-up host."""
+    cpu = {"model": "cpu", "family": "25", "flags": flags or [], "cpus": 2}
+    machine = {"read_bandwidth_gb_s": 1, "cpu": cpu}
+    settings = {"max_tokens": 10, "repeats": 1}
+    return {"model": "m", "settings": settings, "machine": machine, "bound_ms_per_forward": 10, **more, **report}
+
+
 def test_summary_ratios_targets_and_bandwidth_fraction():
     runs = {
         "code": {
@@ -140,13 +148,7 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     assert report["targets"]["chat"]["met"] == {"default_vs_target_only": True, "default_vs_best_hf": True}
     assert report["targets"]["all"] == {"default_vs_target_only_geomean": 1.414, "met": False}  # sqrt(1.25 * 1.6)
     assert report["sse_vs_in_process"] == {"ngram": {"code": 1.25}}
-    full = {
-        "model": "m",
-        "settings": {"max_tokens": 10, "repeats": 1},
-        "machine": {"read_bandwidth_gb_s": 1, "cpu": {"model": "cpu", "family": "25", "flags": ["avx2"], "cpus": 2}},
-        "bound_ms_per_forward": 10,
-        **report,
-    }
+    full = report_file(report, flags=["avx2"])
     text = tables(full)
     assert "| serve:ngram | 50.0 (2.50x) |" in text
     assert "| eagle3 4, suffix 4, none 2 |" in text  # most steps first
@@ -173,13 +175,7 @@ def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
     assert [report["targets"][kind]["default_vs_llama_cpp"] for kind in ("chat", "code")] == [0.5, 2.0]
     every = report["targets"]["all"]
     assert every["target_only_vs_llama_cpp_geomean"] == 0.5 and every["default_vs_llama_cpp_geomean"] == 1.0
-    full = {
-        "model": "m",
-        "settings": {"max_tokens": 10, "repeats": 1},
-        "machine": {"read_bandwidth_gb_s": 1, "cpu": {"model": "cpu", "family": "25", "flags": [], "cpus": 2}},
-        "refused": {"model": "no draft kept"},
-        **report,
-    }
+    full = report_file(report, refused={"model": "no draft kept"})
     short = summary(full, "x.md")
     assert "| chat | 10.0 | 10.0 (generate) | 40.0 | 20.0 | 20.0 |" in short
     assert "geometric mean: target-only 0.50x, default 1.00x" in short
@@ -208,13 +204,7 @@ def test_the_int8_target_is_checked_against_its_own_target_only_and_set_beside_t
     assert target["int8_target_only_vs_llama_cpp"] == 0.625
     every = report["targets"]["all"]
     assert every["int8_default_vs_int8_target_only_geomean"] == 2.828  # sqrt(2 * 4)
-    full = {
-        "model": "m",
-        "settings": {"max_tokens": 10, "repeats": 1},
-        "machine": {"read_bandwidth_gb_s": 1, "cpu": {"model": "cpu", "family": "25", "flags": [], "cpus": 2}},
-        "bound_ms_per_forward": 10,
-        **report,
-    }
+    full = report_file(report)
     assert "| serve-int8:default | 50.0 (2.50x) | 100.0 (5.00x) |" in tables(full)
     short = summary(full, "x.md")
     assert (
