@@ -6,8 +6,8 @@ For candidate c at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tok
 seconds, where the acceptance a_c is this request's own: accepted over accepted plus rejections,
 pooled over the steps c ran (recent ones weigh more), counting only what c proposed. A request starts
 from a prior that its scope's finished requests move (a draft model's, first its agreement measured at start-up;
-a head's, what its training measured); one whose steps yield more or less than the geometric
-estimate (text matching's are all or nothing) has it scaled by its realised over expected tokens.
+a head's, what its training measured); a text match, whose steps yield more or less than the
+geometric estimate (all or nothing), has its drafts scaled by its realised over expected ones.
 Draft cost d_c and verify cost v(k) are timed at start-up, then measured live and shared by
 requests (v as a line over k that live steps move as a whole, ``StepCosts``; a request's first
 verify, which reads the prompt, is not timed).
@@ -209,11 +209,13 @@ class AutoDrafter(Drafter):
 
     def _tokens(self, track: str, k: int) -> float:
         """Tokens a step drafting k is expected to yield: the target's own token, which every step
-        yields, and the drafts expected to pass, geometric at the track's acceptance and scaled by
-        what its steps' drafts realised against that (from 1), at most all k. (Scaling the whole
-        yield priced a weak text match below a plain step, which it can never yield less than.)"""
+        yields, and the drafts expected to pass, geometric at the track's acceptance, for a text
+        match scaled by what its steps' drafts realised against that (from 1), at most all k.
+        (Scaling the whole yield priced a weak text match below a plain step, which it can never
+        yield less than; scaling a draft model's counted its acceptance's evidence twice: one
+        head step with both drafts passing read as four of four.)"""
         yielded, expected = self._request.yields.get(track, (0.0, 0.0))
-        bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
+        bias = 1.0 if track in self.draft_costs else (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
         return 1.0 + min(bias * (expected_tokens(self._alpha(track), k) - 1), float(k))
 
     def _text_step(self, offers: dict[str, tuple[Proposal, str]]) -> tuple[tuple[str | None, int], float, float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.adaptive import StepCosts
+from engine.adaptive import StepCosts, expected_tokens
 from engine.drafters.auto import MATCH_PRIORS, match_track
 from engine.drafters.base import Proposal
 from engine.factory import warm_up
@@ -126,6 +126,20 @@ def test_a_candidate_is_priced_by_what_its_steps_yielded_against_the_estimate():
     assert auto._choose(prompt, 4, offer(4, 4)) == ("suffix", 4)
     auto._request.yields["suffix@4"] = (5.0, 15.0)  # a third of what it was expected to yield
     assert auto._choose(prompt, 4, offer(4, 4))[0] == "model"
+
+
+def test_a_steps_own_token_and_a_draft_models_acceptance_are_never_scaled_by_its_yield():
+    """The correction by realised over expected yield scales a text match's drafts only: the target's
+    own token comes with every step, and a draft model's acceptance already pools its steps."""
+    auto = priced_auto({0: 0.030, 1: 0.031, 2: 0.032}, 0.050, {"suffix@1": 0.3, "model": 0.5, "staged": 0.0})
+    for _ in range(6):  # nothing passed, though 0.3 was expected
+        auto._request.alpha["suffix@1"] = 0.3
+        auto._observe("suffix@1", 0, 1, 1)
+    assert auto._tokens("suffix@1", 1) > 1.0  # still above a plain step's one token
+    assert auto._choose([1, 2, 3], 2, offer(1, 1)) == ("suffix", 1)  # a verify row costs a thirtieth of a step
+    auto._observe("model", 2, 2, 2)  # one step, both passed
+    alpha = auto._alpha("model")
+    assert auto._tokens("model", 4) == pytest.approx(expected_tokens(alpha, 4))
 
 
 def test_probes_take_a_text_match_of_a_length_unused_lately_and_a_draft_model_with_one_token():
