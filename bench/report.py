@@ -107,20 +107,21 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
     for kind, metrics in results.items():
         hf = [label for label in metrics if label.startswith("hf:")]
         drafted = [label for label in metrics if label.startswith("serve:") and label != TARGET_ONLY]
-        if TARGET_ONLY not in metrics or DEFAULT not in metrics or not hf:
+        if TARGET_ONLY not in metrics or DEFAULT not in metrics:
             continue
-        best_hf = max(hf, key=lambda label: _speed(metrics, label))
         best = max(drafted, key=lambda label: _speed(metrics, label))
         own, default = _speed(metrics, TARGET_ONLY), _speed(metrics, DEFAULT)
         entry = {
-            "best_hf": best_hf,
             "best": best,
             "default_vs_target_only": round(default / own, 3),
-            "default_vs_best_hf": round(default / _speed(metrics, best_hf), 3),
             "best_vs_target_only": round(_speed(metrics, best) / own, 3),
-            "target_only_vs_hf_generate": round(own / _speed(metrics, HF_GENERATE), 3),
             "default_greedy_identical": metrics[DEFAULT]["greedy_identical"],
         }
+        if hf:  # a sampled type ("chat@0.8") has no transformers rows
+            best_hf = max(hf, key=lambda label: _speed(metrics, label))
+            entry["best_hf"] = best_hf
+            entry["default_vs_best_hf"] = round(default / _speed(metrics, best_hf), 3)
+            entry["target_only_vs_hf_generate"] = round(own / _speed(metrics, HF_GENERATE), 3)
         singles = [label for label in drafted if label != DEFAULT]  # each drafter alone (auto's candidates)
         if singles:
             entry["best_single"] = max(singles, key=lambda label: _speed(metrics, label))
@@ -130,10 +131,10 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
             entry["target_only_vs_llama_cpp"] = round(own / _speed(metrics, LLAMA_CPP), 3)
         entry |= _int8_ratios(metrics, own)
         goals = GOALS if kind in GOAL_TWO_X_TYPES else {k: v for k, v in GOALS.items() if k != "best_vs_target_only"}
-        entry["met"] = {name: entry[name] >= goal for name, goal in goals.items()}
+        entry["met"] = {name: entry[name] >= goal for name, goal in goals.items() if name in entry}
         targets[kind] = entry
-    if targets:
-        by_type = list(targets.values())
+    if targets:  # the means over the greedy types (a sampled type, "chat@0.8", has no llama.cpp row)
+        by_type = [entry for kind, entry in targets.items() if "@" not in kind] or list(targets.values())
         geomean = round(statistics.geometric_mean([entry["default_vs_target_only"] for entry in by_type]), 3)
         targets["all"] = {"default_vs_target_only_geomean": geomean, "met": geomean >= GOAL_DEFAULT_GEOMEAN}
         for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp", *INT8_RATIOS):  # the same file, threads
@@ -198,9 +199,10 @@ def tables(report: dict) -> str:
     for kind, t in report["targets"].items():
         if kind == "all":
             continue
+        versus_hf = f"{t['default_vs_best_hf']:.2f}x (vs {t['best_hf']})" if "best_hf" in t else "-"
         lines.append(
-            f"| {kind} | {t['target_only_vs_hf_generate']:.2f}x | {t['default_vs_target_only']:.2f}x | "
-            f"{t['default_vs_best_hf']:.2f}x (vs {t['best_hf']}) | {t['best']} | {t['best_vs_target_only']:.2f}x |"
+            f"| {kind} | {_times(t.get('target_only_vs_hf_generate'))} | {t['default_vs_target_only']:.2f}x | "
+            f"{versus_hf} | {t['best']} | {t['best_vs_target_only']:.2f}x |"
         )
     lines += [
         "",
@@ -243,23 +245,25 @@ def summary(report: dict, full_tables: str) -> str:
         if kind not in targets:
             continue
         t = targets[kind]
-        cells = [
-            kind,
-            f"{_speed(metrics, HF_GENERATE):.1f}",
-            f"{_speed(metrics, t['best_hf']):.1f} ({t['best_hf'][3:]})",
-        ]
+        cells = [kind, "-", "-"]  # a sampled type has no transformers rows
+        if "best_hf" in t:
+            cells[1:] = [
+                f"{_speed(metrics, HF_GENERATE):.1f}",
+                f"{_speed(metrics, t['best_hf']):.1f} ({t['best_hf'][3:]})",
+            ]
         if has_llama:
             cells.append(f"{_speed(metrics, LLAMA_CPP):.1f}" if LLAMA_CPP in metrics else "-")
         cells += [f"{_speed(metrics, TARGET_ONLY):.1f}", f"{_speed(metrics, DEFAULT):.1f}"]
         cells += [f"{_speed(metrics, t['best']):.1f} ({t['best'][6:]})", f"{t['default_vs_target_only']:.2f}x"]
-        cells.append(f"{t['default_vs_best_hf']:.2f}x")
+        cells.append(_times(t.get("default_vs_best_hf")))
         single = t.get("default_vs_best_single")
         cells.append("-" if single is None else f"{single:.2f}x ({t['best_single'][6:]})")
         lines.append("| " + " | ".join(cells) + " |")
     if "all" in targets:
         lines += [
             "",
-            f"Default over target-only, geometric mean: {targets['all']['default_vs_target_only_geomean']:.2f}x.",
+            f"Default over target-only, geometric mean over the greedy types: "
+            f"{targets['all']['default_vs_target_only_geomean']:.2f}x.",
         ]
     if not has_llama:
         lines += ["", "llama.cpp: not measured in this run (`--serve-only`, or llama-cpp-python not importable)."]
@@ -286,6 +290,10 @@ def summary(report: dict, full_tables: str) -> str:
         lines += ["", f"serve:{name}: not measured; the server refused it ({why})."]
     lines += ["", f"Every configuration, latency, acceptance and memory: [{full_tables}]({full_tables})."]
     return "\n".join(lines)
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _fmt(value, digits: int = 2) -> str:

@@ -284,9 +284,18 @@ class ServerRunner:
             time.sleep(0.5)
         raise RuntimeError("the server did not become healthy in time")
 
-    def run(self, drafter: str, adaptive_k: bool, prompt_ids: list[int], max_tokens: int, user: str = "") -> Run:
+    def run(
+        self,
+        drafter: str,
+        adaptive_k: bool,
+        prompt_ids: list[int],
+        max_tokens: int,
+        user: str = "",
+        sampling: dict | None = None,
+    ) -> Run:
         """``drafter`` "default" sends no speculative settings: the server's own choice. ``user``
-        scopes what drafters keep across requests (the suffix cache) to one configuration's runs."""
+        scopes what drafters keep across requests (the suffix cache) to one configuration's runs.
+        ``sampling``: request fields that replace the runner's temperature (a seed, say)."""
         body = {
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
@@ -295,6 +304,7 @@ class ServerRunner:
             "stream": True,
             "stream_options": {"include_usage": True},
             "user": user,
+            **(sampling or {}),
         }
         if drafter != "default":
             body["speculative"] = {"drafter": drafter, "adaptive_k": adaptive_k}

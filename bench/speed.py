@@ -16,7 +16,9 @@ Prompt types agentic and multi-turn are conversations run turn by turn, each tur
 carrying the assistant turns that configuration generated before; each configuration sends its
 own ``user``, so what the server keeps across requests (the suffix cache) never crosses them.
 Greedy decoding unless --temperature (the server's runs only, with --serve-only); every greedy output
-is checked against the target-only output.
+is checked against the target-only output. The types of --sampled-types (chat, open prose) also run
+sampled at --sampled-temperature (0.8) on the servers, as "chat@0.8", seeded by the repeat: a seed
+means the target's text under every drafter, so those outputs are checked too.
 
 Writes bench/results/<name>.json after every round of configurations (marked "partial", with how
 far it got, until the end), then the .png and .md (every table), and prints the summary; with
@@ -100,7 +102,11 @@ def main() -> None:
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="specserve's draft (HF assisted keeps a bfloat16 copy)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per run (default 96; quick 64)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 1)")
-    parser.add_argument("--types", default="chat,code,summarise,long,agentic,multi-turn")
+    parser.add_argument("--types", default="chat,prose,code,summarise,long,agentic,multi-turn")
+    parser.add_argument(
+        "--sampled-types", default="chat,prose", help="also sampled at --sampled-temperature, through the servers"
+    )
+    parser.add_argument("--sampled-temperature", type=float, default=0.8)
     parser.add_argument("--update-readme", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0, help="the server's sampling (0: greedy, checked)")
     parser.add_argument("--serve-only", action="store_true", help="no HF or llama.cpp rows (sampled runs)")
@@ -112,7 +118,11 @@ def main() -> None:
     args.repeats = args.repeats or 1
     args.max_tokens = args.max_tokens or (64 if args.quick else 96)
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
-    prompts = {kind: prompts[kind][:1] if args.quick else prompts[kind] for kind in args.types.split(",")}
+    chosen = {kind: prompts[kind][:1] if args.quick else prompts[kind] for kind in args.types.split(",")}
+    if args.temperature == 0:  # a sampled run samples every type already
+        for kind in filter(None, args.sampled_types.split(",")):
+            chosen[f"{kind}@{args.sampled_temperature:g}"] = prompts[kind][:1] if args.quick else prompts[kind]
+    prompts = chosen
     results_dir, logs_dir = BENCH / "results", BENCH / "out"
     results_dir.mkdir(exist_ok=True)
     logs_dir.mkdir(exist_ok=True)
@@ -244,20 +254,25 @@ def measure(
 ) -> dict[str, dict[str, list[Run]]]:
     """runs[prompt type][config label] -> every run of that pair, prompts (or turns) x repeats.
     ``save(runs, progress)`` is called after every round of configurations."""
-    runs: dict[str, dict[str, list[Run]]] = {kind: {c.label: [] for c in configs} for kind in prompts}
-    turns = sum(len(Conversation.of(entry).turns) for entries in prompts.values() for entry in entries)
-    total, done, started = args.repeats * turns * len(configs), 0, time.monotonic()
+    by_kind = {kind: kind_configs(configs, kind) for kind in prompts}
+    runs: dict[str, dict[str, list[Run]]] = {kind: {c.label: [] for c in by_kind[kind]} for kind in prompts}
+    total = args.repeats * sum(
+        len(Conversation.of(entry).turns) * len(by_kind[kind]) for kind, entries in prompts.items() for entry in entries
+    )
+    done, started = 0, time.monotonic()
     for repeat in range(args.repeats):
         for kind, entries in prompts.items():
+            # a sampled type ("chat@0.8"): seeded, so every drafter of a target writes that target's text
+            sampling = {"temperature": float(kind.split("@")[1]), "seed": repeat} if "@" in kind else None
             for index, entry in enumerate(entries):
                 conversation = Conversation.of(entry)
-                histories = {config.label: list(conversation.opening) for config in configs}
+                histories = {config.label: list(conversation.opening) for config in by_kind[kind]}
                 for turn, user_text in enumerate(conversation.turns):
-                    for config in configs:  # interleaved: every configuration on this turn, then the next
+                    for config in by_kind[kind]:  # interleaved: every configuration on this turn, then the next
                         messages = histories[config.label] + [{"role": "user", "content": user_text}]
                         prompt_ids = chat_ids(tokenizer, messages)
                         user = f"{config.label}#{repeat}"  # one tenant per configuration and repeat
-                        run = run_one(config, runners, prompt_ids, args.max_tokens, user)
+                        run = run_one(config, runners, prompt_ids, args.max_tokens, user, sampling)
                         if run.text is None:
                             run.text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
                         histories[config.label] = messages + [{"role": "assistant", "content": run.text}]
@@ -278,11 +293,19 @@ def _eta(started: float, done: int, total: int) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def run_one(config: Config, runners: dict, prompt_ids: list[int], max_tokens: int, user: str) -> Run:
+def kind_configs(configs: list[Config], kind: str) -> list[Config]:
+    """The configurations a prompt type runs on: a sampled type ("chat@0.8") on the servers only
+    (transformers' and llama.cpp's rows decode greedily here)."""
+    return [config for config in configs if "@" not in kind or config.system.startswith("serve")]
+
+
+def run_one(
+    config: Config, runners: dict, prompt_ids: list[int], max_tokens: int, user: str, sampling: dict | None = None
+) -> Run:
     runner = runners[config.system]
     if config.system in ("hf", "llama.cpp"):
         return runner.run(config.mode, prompt_ids, max_tokens)
-    return runner.run(config.mode, config.adaptive_k, prompt_ids, max_tokens, user)
+    return runner.run(config.mode, config.adaptive_k, prompt_ids, max_tokens, user, sampling)
 
 
 if __name__ == "__main__":

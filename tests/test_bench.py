@@ -157,7 +157,7 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
         "| code | 10.0 | 20.0 (prompt-lookup) | 20.0 | 25.0 | 50.0 (ngram) | 1.25x | 1.25x | 0.50x (ngram) |" in short
     )
     assert "| chat | 10.0 | 10.0 (generate) | 10.0 | 16.0 | 16.0 (default) | 1.60x | 1.60x | - |" in short
-    assert "geometric mean: 1.41x" in short and "(bench/results/x.md)" in short
+    assert "geometric mean over the greedy types: 1.41x" in short and "(bench/results/x.md)" in short
 
 
 def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
@@ -180,6 +180,33 @@ def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
     assert "| chat | 10.0 | 10.0 (generate) | 40.0 | 20.0 | 20.0 |" in short
     assert "geometric mean: target-only 0.50x, default 1.00x" in short
     assert "serve:model: not measured; the server refused it (no draft kept)" in short
+
+
+def test_a_sampled_type_runs_on_the_servers_alone_and_stays_out_of_the_greedy_means():
+    from speed import Config, kind_configs
+
+    configs = [Config("hf:generate", "hf", "generate"), Config("llama.cpp", "llama.cpp", "llama.cpp")]
+    configs += [Config("serve:none", "serve", "none"), Config("serve-int8:none", "serve-int8", "none")]
+    assert [c.label for c in kind_configs(configs, "chat@0.8")] == ["serve:none", "serve-int8:none"]
+    assert kind_configs(configs, "chat") == configs
+    runs = {
+        "chat": {
+            "hf:generate": [_run(11, 1.0, "a")],  # 10 tokens/s
+            "serve:none": [_run(11, 0.5, "a")],  # 20
+            "serve:default": [_run(11, 0.4, "a")],  # 25
+        },
+        "chat@0.8": {
+            "serve:none": [_run(11, 0.5, "s")],  # 20
+            "serve:default": [_run(11, 0.5, "s")],  # 20: seeded, the same text
+        },
+    }
+    report = summarise([], runs, bound_s=0.01)
+    sampled = report["targets"]["chat@0.8"]
+    assert sampled["default_vs_target_only"] == 1.0 and "best_hf" not in sampled and sampled["default_greedy_identical"]
+    assert report["targets"]["all"]["default_vs_target_only_geomean"] == 1.25  # the greedy chat alone
+    full = report_file(report)
+    assert "| chat@0.8 | - | - | 20.0 | 20.0 | 20.0 (default) | 1.00x | - | - |" in summary(full, "x.md")
+    assert "| chat@0.8 | - | 1.00x | - | serve:default | 1.00x |" in tables(full)
 
 
 def test_the_int8_target_is_checked_against_its_own_target_only_and_set_beside_the_float32_one():
