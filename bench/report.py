@@ -307,15 +307,15 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     results, kinds = report["results"], list(report["results"])
-    labels = list(next(iter(results.values())))
+    labels = list(dict.fromkeys(label for metrics in results.values() for label in metrics))  # a sampled type has fewer
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.45 * len(labels) * len(kinds) / 2 + 2), sharey=True)
     height = 0.8 / len(kinds)
     for axis, key, title in (
         (axes[0], "decode_tokens_per_s", "decode tokens/s"),
-        (axes[1], "speedup_vs_hf_generate", "speedup over HF generate"),
+        (axes[1], "speedup_vs_target_only", "speedup over specserve's target-only"),
     ):
         for i, kind in enumerate(kinds):
-            values = [results[kind][label][key] or 0 for label in labels]
+            values = [(results[kind].get(label) or {}).get(key) or 0 for label in labels]
             axis.barh([y + i * height for y in range(len(labels))], values, height, label=kind)
         axis.set_title(title)
         axis.grid(axis="x", alpha=0.3)

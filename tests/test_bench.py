@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 
-from report import summarise, summary, tables  # noqa: E402
+from report import plot, summarise, summary, tables  # noqa: E402
 from runners import Run, ServerRunner  # noqa: E402
 
 
@@ -182,7 +182,7 @@ def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
     assert "serve:model: not measured; the server refused it (no draft kept)" in short
 
 
-def test_a_sampled_type_runs_on_the_servers_alone_and_stays_out_of_the_greedy_means():
+def test_a_sampled_type_runs_on_the_servers_alone_and_stays_out_of_the_greedy_means(tmp_path):
     from speed import Config, kind_configs
 
     configs = [Config("hf:generate", "hf", "generate"), Config("llama.cpp", "llama.cpp", "llama.cpp")]
@@ -207,6 +207,8 @@ def test_a_sampled_type_runs_on_the_servers_alone_and_stays_out_of_the_greedy_me
     full = report_file(report)
     assert "| chat@0.8 | - | - | 20.0 | 20.0 | 20.0 (default) | 1.00x | - | - |" in summary(full, "x.md")
     assert "| chat@0.8 | - | 1.00x | - | serve:default | 1.00x |" in tables(full)
+    plot({**full, "machine": {**full["machine"], "torch_threads": 2}}, tmp_path / "x.png")  # fewer rows in one type
+    assert (tmp_path / "x.png").stat().st_size > 0
 
 
 def test_the_int8_target_is_checked_against_its_own_target_only_and_set_beside_the_float32_one():
