@@ -189,14 +189,16 @@ class AutoDrafter(Drafter):
     def _observe(self, track: str, accepted: int, drafted: int, asked: int | None = None) -> None:
         """A step's accepted run is a truncated geometric sample: ``accepted`` successes, then one
         rejection unless all ``drafted`` passed. Pooling them gives the maximum-likelihood acceptance
-        (the prior counts as PRIOR_TOKENS tokens). The step's tokens are also set against what was
-        expected at the k asked (``asked``): cutoffs and all-or-nothing matches stray from geometric."""
+        (the prior counts as PRIOR_TOKENS tokens). A text match's accepted drafts are also set
+        against what was expected at the k asked (``asked``): its cutoffs and all-or-nothing matches
+        stray from geometric (a draft model's acceptance is its steps' own pooled evidence)."""
         request = self._request
-        yielded, expected = request.yields.get(track, (0.0, 0.0))
-        request.yields[track] = (
-            EVIDENCE_DECAY * yielded + accepted,
-            EVIDENCE_DECAY * expected + expected_tokens(self._alpha(track), asked or drafted) - 1,
-        )
+        if track not in self.draft_costs:
+            yielded, expected = request.yields.get(track, (0.0, 0.0))
+            request.yields[track] = (
+                EVIDENCE_DECAY * yielded + accepted,
+                EVIDENCE_DECAY * expected + expected_tokens(self._alpha(track), asked or drafted) - 1,
+            )
         successes, rejections = request.evidence.get(track, (0.0, 0.0))
         successes = EVIDENCE_DECAY * successes + accepted
         rejections = EVIDENCE_DECAY * rejections + (accepted < drafted)
@@ -214,8 +216,8 @@ class AutoDrafter(Drafter):
         (Scaling the whole yield priced a weak text match below a plain step, which it can never
         yield less than; scaling a draft model's counted its acceptance's evidence twice: one
         head step with both drafts passing read as four of four.)"""
-        yielded, expected = self._request.yields.get(track, (0.0, 0.0))
-        bias = 1.0 if track in self.draft_costs else (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
+        yielded, expected = self._request.yields.get(track, (0.0, 0.0))  # none kept for a draft model: 1
+        bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
         return 1.0 + min(bias * (expected_tokens(self._alpha(track), k) - 1), float(k))
 
     def _text_step(self, offers: dict[str, tuple[Proposal, str]]) -> tuple[tuple[str | None, int], float, float]:

@@ -29,8 +29,8 @@ class RequestState:
     folded: bool = False  # whether it has moved them
     # per track: (accepted tokens, rejections) seen this request, older steps faded
     evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # per track: (drafts its steps got accepted, drafts the geometric estimate expected to pass), faded: the
-    # ratio corrects the estimate
+    # per text-match track: (drafts its steps got accepted, drafts the geometric estimate expected to
+    # pass), faded: the ratio corrects the estimate
     yields: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate and track last ran
     # (tokens, seconds) text matching or plain decoding made of the last few steps: a draft step must beat it
