@@ -118,11 +118,10 @@ def main() -> None:
     args.repeats = args.repeats or 1
     args.max_tokens = args.max_tokens or (64 if args.quick else 96)
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
-    chosen = {kind: prompts[kind][:1] if args.quick else prompts[kind] for kind in args.types.split(",")}
+    types = {kind: kind for kind in args.types.split(",")}  # measured type: the prompts' type
     if args.temperature == 0:  # a sampled run samples every type already
-        for kind in filter(None, args.sampled_types.split(",")):
-            chosen[f"{kind}@{args.sampled_temperature:g}"] = prompts[kind][:1] if args.quick else prompts[kind]
-    prompts = chosen
+        types |= {f"{kind}@{args.sampled_temperature:g}": kind for kind in filter(None, args.sampled_types.split(","))}
+    prompts = {measured: prompts[kind][:1] if args.quick else prompts[kind] for measured, kind in types.items()}
     results_dir, logs_dir = BENCH / "results", BENCH / "out"
     results_dir.mkdir(exist_ok=True)
     logs_dir.mkdir(exist_ok=True)
@@ -138,12 +137,7 @@ def main() -> None:
         # The server times its steps and its draft copies at start-up: loading models here meanwhile
         # would make those timings (and what they decide) the ones of a busy host.
         server.wait_ready()
-        args.refused = {
-            name: why for name in args.drafters.split(",") if name != "default" and (why := server.refusal(name))
-        }
-        for name, why in args.refused.items():
-            print(f"serve:{name}: not measured, the server refuses it: {why}", file=sys.stderr)
-        args.drafters = ",".join(name for name in args.drafters.split(",") if name not in args.refused)
+        args.drafters, args.refused = served(server, "serve", args.drafters)
         int8 = int8_server(args, server_args, logs_dir) if args.int8_drafters else None
         # HF assisted drafts with a bfloat16 copy, its best; the in-process engine with args.draft,
         # built from its own copies (an engine owns its models: packing or quantizing frees the
@@ -206,9 +200,18 @@ def int8_server(args, server_args: list[str], logs_dir: Path) -> ServerRunner | 
         print(f"serve-int8: not measured ({exc})", file=sys.stderr)
         args.int8_drafters = ""
         return None
-    refused = {name for name in args.int8_drafters.split(",") if name != "default" and runner.refusal(name)}
-    args.int8_drafters = ",".join(name for name in args.int8_drafters.split(",") if name not in refused)
+    args.int8_drafters, _ = served(runner, "serve-int8", args.int8_drafters)
     return runner
+
+
+def served(server: ServerRunner, label: str, drafters: str) -> tuple[str, dict[str, str]]:
+    """Of ``drafters`` (comma-separated), those ``server`` serves, and why it refuses each other
+    (a drafter named ``model`` where copy:auto kept no copy), said as it is found."""
+    names = drafters.split(",")
+    refused = {name: why for name in names if name != "default" and (why := server.refusal(name))}
+    for name, why in refused.items():
+        print(f"{label}:{name}: not measured, the server refuses it: {why}", file=sys.stderr)
+    return ",".join(name for name in names if name not in refused), refused
 
 
 def report(args, models, engine, server, configs: list[Config], runs: dict, bandwidths: list[float]) -> dict:
