@@ -75,10 +75,6 @@ class GGUFConfig:
     pad_token_id: int | None = None
     name_or_path: str = ""  # the folder the file is in
 
-    @property
-    def rope_theta(self) -> float:
-        return self.rope_parameters["rope_theta"]
-
 
 def model_config(file: GGUFFile) -> GGUFConfig:
     """The config of the file's model, from its metadata (the keys transformers reads)."""
