@@ -13,6 +13,7 @@ LLAMA_CPP = "llama.cpp"
 # a second server on the same file with --activations int8 (llama.cpp's arithmetic), up beside the first
 INT8 = "serve-int8:"
 INT8_TARGET_ONLY, INT8_DEFAULT = f"{INT8}none", f"{INT8}default"
+INT8_RATIOS = ("int8_target_only_vs_target_only", "int8_default_vs_int8_target_only", "int8_target_only_vs_llama_cpp")
 # issue 13's targets, per prompt type unless named; best_vs_target_only only on the types listed
 GOALS = {"default_vs_target_only": 1.0, "default_vs_best_hf": 1.2, "best_vs_target_only": 2.0}
 GOAL_TWO_X_TYPES = ("code", "summarise", "long", "agentic")
@@ -141,9 +142,6 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
             if all(name in entry for entry in by_type):
                 targets["all"][f"{name}_geomean"] = round(statistics.geometric_mean([e[name] for e in by_type]), 3)
     return targets
-
-
-INT8_RATIOS = ("int8_target_only_vs_target_only", "int8_default_vs_int8_target_only", "int8_target_only_vs_llama_cpp")
 
 
 def _int8_ratios(metrics: dict[str, dict], own: float) -> dict[str, float]:
