@@ -6,8 +6,9 @@ For candidate c at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tok
 seconds, where the acceptance a_c is this request's own: accepted over accepted plus rejections,
 pooled over the steps c ran (recent ones weigh more), counting only what c proposed. A request starts
 from a prior that its scope's finished requests move (a draft model's, first its agreement measured at start-up;
-a head's, what its training measured); a text match, whose steps yield more or less than the
-geometric estimate (all or nothing), has its drafts scaled by its realised over expected ones.
+a head's, what its training measured). A text match's draft i passes, once the drafts before it
+did, as a match i - 1 tokens longer does (a match that held is a longer match), and its drafts are
+scaled by its realised over expected ones.
 Draft cost d_c and verify cost v(k) are timed at start-up, then measured live and shared by
 requests (v as a line over k that live steps move as a whole, ``StepCosts``; a request's first
 verify, which reads the prompt, is not timed).
@@ -44,7 +45,7 @@ from dataclasses import replace
 from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, beats_plain, expected_tokens
 from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line
 from ..sampling import RequestSampler
-from .auto_state import RequestState, StepChoice
+from .auto_state import EVIDENCE_DECAY, PRIOR_TOKENS, RequestState, StepChoice
 from .base import Drafter, DraftResources, Proposal
 from .eagle3 import head_drafter
 from .registry import build, register
@@ -55,8 +56,6 @@ from .registry import build, register
 MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
 PRIOR_WEIGHT = 0.3  # how much one finished request moves a prior
 HORIZON = 64  # tokens over which a candidate's catch-up is paid back
-PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of evidence
-EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 PROBE_ALPHA = 0.5  # the acceptance at which an unused track is probed after probe_every steps
 RARELY = 8  # how many times longer a draft model that cannot pay here goes unprobed
@@ -64,6 +63,13 @@ RARELY = 8  # how many times longer a draft model that cannot pay here goes unpr
 
 def match_track(name: str, match_length: int) -> str:  # suffix@4: a match of 4 to 7 tokens
     return f"{name}@{max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))}"
+
+
+def continued(track: str, count: int) -> list[str]:
+    """The tracks a text match's drafts 1..count are accepted on: draft i continues the match i - 1
+    tokens further (suffix@1's drafts: suffix@1, suffix@2, suffix@2, suffix@4)."""
+    name, length = track.rsplit("@", 1)
+    return [match_track(name, int(length) + index) for index in range(count)]
 
 
 class AutoDrafter(Drafter):
@@ -187,38 +193,42 @@ class AutoDrafter(Drafter):
         self._observe(choice.track, num_committed - choice.sequence_length, choice.drafted, choice.num_draft_tokens)
 
     def _observe(self, track: str, accepted: int, drafted: int, asked: int | None = None) -> None:
-        """A step's accepted run is a truncated geometric sample: ``accepted`` successes, then one
-        rejection unless all ``drafted`` passed. Pooling them gives the maximum-likelihood acceptance
-        (the prior counts as PRIOR_TOKENS tokens). A text match's accepted drafts are also set
-        against what was expected at the k asked (``asked``): its cutoffs and all-or-nothing matches
-        stray from geometric (a draft model's acceptance is its steps' own pooled evidence)."""
-        request = self._request
-        if track not in self.draft_costs:
+        """A step's drafts: ``accepted`` passed of ``drafted``, pooled into their tracks' acceptance
+        (``RequestState.pool``), a text match's draft i as the match i - 1 tokens longer's. A text
+        match's accepted drafts are also set against what was expected at the k asked: its cutoffs
+        stray from the estimate (a draft model's acceptance is its steps' pooled evidence)."""
+        request, text = self._request, track not in self.draft_costs
+        if text:
             yielded, expected = request.yields.get(track, (0.0, 0.0))
             request.yields[track] = (
                 EVIDENCE_DECAY * yielded + accepted,
-                EVIDENCE_DECAY * expected + expected_tokens(self._alpha(track), asked or drafted) - 1,
+                EVIDENCE_DECAY * expected + self._drafts_passing(track, asked or drafted),
             )
-        successes, rejections = request.evidence.get(track, (0.0, 0.0))
-        successes = EVIDENCE_DECAY * successes + accepted
-        rejections = EVIDENCE_DECAY * rejections + (accepted < drafted)
-        request.evidence[track] = (successes, rejections)
-        prior = request.priors.get(track, ALPHA_PRIOR)
-        request.alpha[track] = min(0.99, (successes + PRIOR_TOKENS * prior) / (successes + rejections + PRIOR_TOKENS))
+        request.pool(continued(track, drafted) if text else [track] * drafted, accepted)
 
     def _alpha(self, track: str) -> float:
         return self._request.alpha.get(track, self._request.priors.get(track, ALPHA_PRIOR))
 
+    def _drafts_passing(self, track: str, k: int) -> float:
+        """Drafts of k expected to pass: geometric at the track's acceptance, for a text match along
+        the tracks its drafts continue (a match that held one more token is a match one token longer:
+        after a one-token match's first draft passes, the next is a two-token match's)."""
+        if track in self.draft_costs:
+            return expected_tokens(self._alpha(track), k) - 1
+        passing, chance = 0.0, 1.0
+        for each in continued(track, k):
+            chance *= self._alpha(each)
+            passing += chance
+        return passing
+
     def _tokens(self, track: str, k: int) -> float:
         """Tokens a step drafting k is expected to yield: the target's own token, which every step
-        yields, and the drafts expected to pass, geometric at the track's acceptance, for a text
-        match scaled by what its steps' drafts realised against that (from 1), at most all k.
-        (Scaling the whole yield priced a weak text match below a plain step, which it can never
-        yield less than; scaling a draft model's counted its acceptance's evidence twice: one
-        head step with both drafts passing read as four of four.)"""
+        yields, and the drafts expected to pass, for a text match scaled by what its steps' drafts
+        realised against that (from 1), at most all k. (Scaling the whole yield priced a weak text
+        match below a plain step; scaling a draft model's counted its evidence twice.)"""
         yielded, expected = self._request.yields.get(track, (0.0, 0.0))  # none kept for a draft model: 1
         bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
-        return 1.0 + min(bias * (expected_tokens(self._alpha(track), k) - 1), float(k))
+        return 1.0 + min(bias * self._drafts_passing(track, k), float(k))
 
     def _text_step(self, offers: dict[str, tuple[Proposal, str]]) -> tuple[tuple[str | None, int], float, float]:
         """The best of the text matchers' offers (whole, or their first k tokens: where a verify row

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..adaptive import ALPHA_PRIOR
+
+PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of evidence
+EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
+
 
 @dataclass(slots=True)
 class StepChoice:
@@ -29,10 +34,26 @@ class RequestState:
     folded: bool = False  # whether it has moved them
     # per track: (accepted tokens, rejections) seen this request, older steps faded
     evidence: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # per text-match track: (drafts its steps got accepted, drafts the geometric estimate expected to
-    # pass), faded: the ratio corrects the estimate
+    # per text-match track: (drafts its steps got accepted, drafts the estimate expected to pass),
+    # faded: the ratio corrects the estimate
     yields: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate and track last ran
     # (tokens, seconds) text matching or plain decoding made of the last few steps: a draft step must beat it
     text_pace: tuple[float, float] = (0.0, 0.0)
     step: int = 0
+
+    def pool(self, tracks: list[str], accepted: int) -> None:
+        """One step's drafts, each on the track it was accepted on: the first ``accepted`` passed,
+        the next (if any) was rejected. Each track's acceptance is its faded successes over
+        successes and rejections, its prior counting as PRIOR_TOKENS tokens (maximum likelihood
+        for a truncated geometric run)."""
+        seen: dict[str, tuple[int, int]] = {}
+        for index, track in enumerate(tracks[: accepted + 1]):
+            passed, failed = seen.get(track, (0, 0))
+            seen[track] = (passed + (index < accepted), failed + (index == accepted))
+        for track, (passed, failed) in seen.items():
+            successes, rejections = self.evidence.get(track, (0.0, 0.0))
+            successes, rejections = EVIDENCE_DECAY * successes + passed, EVIDENCE_DECAY * rejections + failed
+            self.evidence[track] = (successes, rejections)
+            prior = self.priors.get(track, ALPHA_PRIOR)
+            self.alpha[track] = min(0.99, (successes + PRIOR_TOKENS * prior) / (successes + rejections + PRIOR_TOKENS))

@@ -128,6 +128,21 @@ def test_a_candidate_is_priced_by_what_its_steps_yielded_against_the_estimate():
     assert auto._choose(prompt, 4, offer(4, 4))[0] == "model"
 
 
+def test_a_text_match_that_holds_one_more_token_is_priced_as_the_longer_match():
+    """A one-token match seldom holds, but once its first draft passed the match is two tokens long,
+    and its second draft passes as a two-token match's does: the offer is taken whole, where pricing
+    both drafts at the one-token match's acceptance cut it to one (and lost the second token)."""
+    auto = priced_auto(
+        {0: 0.030, 1: 0.031, 2: 0.033}, 0.050, {"suffix@1": 0.25, "suffix@2": 0.9, "model": 0.0, "staged": 0.0}
+    )
+    assert auto._tokens("suffix@1", 2) == pytest.approx(1 + 0.25 + 0.25 * 0.9)
+    assert auto._choose([1, 2, 3], 2, offer(2, 1)) == ("suffix", 2)
+    auto._observe("suffix@1", 2, 2, 2)  # both passed: one success as a one-token match, one as a two-token one
+    assert auto._request.evidence["suffix@1"] == (1, 0) and auto._request.evidence["suffix@2"] == (1, 0)
+    auto._observe("suffix@1", 1, 2, 2)  # the second failed: a rejection for the two-token match
+    assert auto._request.evidence["suffix@1"] == (0.9 + 1, 0) and auto._request.evidence["suffix@2"] == (0.9, 1)
+
+
 def test_a_steps_own_token_and_a_draft_models_acceptance_are_never_scaled_by_its_yield():
     """The correction by realised over expected yield scales a text match's drafts only: the target's
     own token comes with every step, and a draft model's acceptance already pools its steps."""
