@@ -7,9 +7,12 @@ over prompt and answer, the head drafts from every committed position of the ans
 runs it (``Eagle3Head.step``, one position at a time over its own cache) and the training code's
 unrolled measure scores its four draft steps. Last, the engine drafts with the head alone, 4 a
 step, greedy, over the same prompts: tokens per target forward (counted, not timed). Writes
-bench/results/eagle3_unseen[-NAME].json.
+bench/results/eagle3_unseen[-NAME].json. With ``--record``, the mean first-draft agreement over the
+prompts goes into the head's training.json as ``unseen_acceptance``: ``auto`` starts a request
+from it (what the head reaches on prompts it never saw, where its held-out answers were its own
+training's kind).
 
-    .venv/bin/python bench/studies/eagle3_unseen.py [--head DIR] [--max-tokens 96] [--name NAME]
+    .venv/bin/python bench/studies/eagle3_unseen.py [--head DIR] [--max-tokens 96] [--name NAME] [--record]
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--head", default=None, help="head folder (default: the one shipped for the embedded model)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--name", default="", help="results file suffix")
+    parser.add_argument("--record", action="store_true", help="write unseen_acceptance into the head's training.json")
     args = parser.parse_args()
     head_dir = args.head or str(shipped_head(EMBEDDED_NAME))
     tokenizer = load_tokenizer(None)
@@ -88,7 +92,7 @@ def main() -> None:
             asked.append(prompt_ids)
             names.append(f"{kind}[{index}]")
     rows = collect_features(target, conversations, default_aux_layers(len(target.layers)))
-    head = load_head(head_dir, target)
+    head = load_head(head_dir, target, blocks=False)  # the training code's measure reads its float weights
     target_rows = target.weights.dense(target.lm_head, "weight").float()[head.draft_to_target]  # [Vd, E]
     results = {}
     for name, row, first in zip(names, rows, firsts, strict=True):
@@ -118,10 +122,20 @@ def main() -> None:
         "tokens_per_forward_k4_by_type": {kind: round(sum(v) / len(v), 3) for kind, v in per_forward.items()},
         "prompts": results,
     }
+    report["unseen_acceptance"] = round(sum(r["serving_first_draft"] for r in results.values()) / len(results), 3)
+    if args.record:
+        training = Path(head_dir) / "training.json"
+        recorded = json.loads(training.read_text())
+        recorded["unseen_acceptance"] = report["unseen_acceptance"]
+        recorded["unseen_acceptance_from"] = (
+            f"bench/studies/eagle3_unseen.py: the mean first-draft agreement over the {len(results)} prompts of "
+            f"bench/prompts.yaml, greedy, {args.max_tokens} tokens each"
+        )
+        training.write_text(json.dumps(recorded, indent=2) + "\n")
     (BENCH / "results").mkdir(exist_ok=True)
     out = BENCH / "results" / f"eagle3_unseen{'-' + args.name if args.name else ''}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
-    summary = ("head", "training_report", "first_draft_by_type", "tokens_per_forward_k4_by_type")
+    summary = ("head", "training_report", "unseen_acceptance", "first_draft_by_type", "tokens_per_forward_k4_by_type")
     print(json.dumps({key: report[key] for key in summary}, indent=2))
 
 

@@ -45,7 +45,7 @@ from dataclasses import replace
 from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, beats_plain, expected_tokens
 from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line
 from ..sampling import RequestSampler
-from .auto_state import EVIDENCE_DECAY, PRIOR_TOKENS, RequestState, StepChoice
+from .auto_state import EVIDENCE_DECAY, MODEL_PRIOR_TOKENS, PRIOR_TOKENS, RequestState, StepChoice
 from .base import Drafter, DraftResources, Proposal
 from .eagle3 import head_drafter
 from .registry import build, register
@@ -197,14 +197,14 @@ class AutoDrafter(Drafter):
         (``RequestState.pool``), a text match's draft i as the match i - 1 tokens longer's. A text
         match's accepted drafts are also set against what was expected at the k asked: its cutoffs
         stray from the estimate (a draft model's acceptance is its steps' pooled evidence)."""
-        request, text = self._request, track not in self.draft_costs
-        if text:
-            yielded, expected = request.yields.get(track, (0.0, 0.0))
-            request.yields[track] = (
-                EVIDENCE_DECAY * yielded + accepted,
-                EVIDENCE_DECAY * expected + self._drafts_passing(track, asked or drafted),
-            )
-        request.pool(continued(track, drafted) if text else [track] * drafted, accepted)
+        request = self._request
+        if track in self.draft_costs:
+            request.pool([track] * drafted, accepted, MODEL_PRIOR_TOKENS)
+            return
+        yielded, expected = request.yields.get(track, (0.0, 0.0))
+        passing = self._drafts_passing(track, asked or drafted)
+        request.yields[track] = (EVIDENCE_DECAY * yielded + accepted, EVIDENCE_DECAY * expected + passing)
+        request.pool(continued(track, drafted), accepted)
 
     def _alpha(self, track: str) -> float:
         return self._request.alpha.get(track, self._request.priors.get(track, ALPHA_PRIOR))

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from ..adaptive import ALPHA_PRIOR
 
 PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of evidence
+# a draft model's prior (its agreement measured at start-up, or a head's recorded beside it) counts as
+# more: its acceptance moves less along a request than a text match's, which holds or breaks with the text
+MODEL_PRIOR_TOKENS = 8.0
 EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
 
 
@@ -42,10 +45,10 @@ class RequestState:
     text_pace: tuple[float, float] = (0.0, 0.0)
     step: int = 0
 
-    def pool(self, tracks: list[str], accepted: int) -> None:
+    def pool(self, tracks: list[str], accepted: int, prior_tokens: float = PRIOR_TOKENS) -> None:
         """One step's drafts, each on the track it was accepted on: the first ``accepted`` passed,
         the next (if any) was rejected. Each track's acceptance is its faded successes over
-        successes and rejections, its prior counting as PRIOR_TOKENS tokens (maximum likelihood
+        successes and rejections, its prior counting as ``prior_tokens`` tokens (maximum likelihood
         for a truncated geometric run)."""
         seen: dict[str, tuple[int, int]] = {}
         for index, track in enumerate(tracks[: accepted + 1]):
@@ -56,4 +59,4 @@ class RequestState:
             successes, rejections = EVIDENCE_DECAY * successes + passed, EVIDENCE_DECAY * rejections + failed
             self.evidence[track] = (successes, rejections)
             prior = self.priors.get(track, ALPHA_PRIOR)
-            self.alpha[track] = min(0.99, (successes + PRIOR_TOKENS * prior) / (successes + rejections + PRIOR_TOKENS))
+            self.alpha[track] = min(0.99, (successes + prior_tokens * prior) / (successes + rejections + prior_tokens))

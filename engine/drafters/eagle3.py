@@ -85,7 +85,7 @@ class Eagle3Drafter(Drafter):
     @torch.inference_mode()
     def own_costs(self) -> OwnCosts:
         """The head's step (one token) and its read of a prompt (per token, over 64), best of three
-        each, on scratch entries of its cache; acceptance as its training measured, if recorded."""
+        each, on scratch entries of its cache; acceptance as recorded beside it (load_head)."""
         features = torch.zeros(64, self.head.fc.in_features, dtype=self.target.dtype, device=self.target.device)
 
         def timed(count: int) -> float:

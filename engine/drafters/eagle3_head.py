@@ -71,7 +71,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))  # target id = i + d2t[i]
         self.target = target
         self.name = "(unnamed)"  # the folder it was loaded from
-        self.acceptance: float | None = None  # what its training measured on held-out answers, if recorded
+        self.acceptance: float | None = None  # its first draft's agreement as recorded beside it (training.json)
         self.vocab_size = target.vocab_size
         positions = torch.arange(target.max_len)[None]  # [1, S]
         rope = rotary_of(config, self.head_dim, target.max_len)
@@ -261,7 +261,8 @@ def load_head(ref: str, target: CausalLM, blocks: bool = True) -> Eagle3Head:
     head.name = folder.name
     report = folder / "training.json"
     if report.is_file():
-        head.acceptance = json.loads(report.read_text()).get("held_out_acceptance")
+        recorded = json.loads(report.read_text())  # served on prompts it never saw, else its training's held out
+        head.acceptance = recorded.get("unseen_acceptance", recorded.get("held_out_acceptance"))
     return head.finish(blocks)
 
 

@@ -143,6 +143,18 @@ def test_a_text_match_that_holds_one_more_token_is_priced_as_the_longer_match():
     assert auto._request.evidence["suffix@1"] == (0.9 + 1, 0) and auto._request.evidence["suffix@2"] == (0.9, 1)
 
 
+def test_one_lucky_step_of_a_draft_model_moves_its_acceptance_less_than_a_text_matchs():
+    """A draft model's prior (measured at start-up, or recorded beside a head) counts as eight tokens,
+    a text match's as two: a head at 0.3 whose first step passed both drafts drafted four at the
+    next step at 0.65, and lost them, where a text match's acceptance does swing with the text."""
+    auto = priced_auto({0: 0.030, 1: 0.031, 2: 0.032}, 0.050, {})
+    auto._request.priors |= {"model": 0.3, "suffix@1": 0.3}
+    auto._observe("model", 2, 2, 2)
+    auto._observe("suffix@1", 1, 1, 1)
+    assert auto._alpha("model") == pytest.approx((2 + 8 * 0.3) / (2 + 8))
+    assert auto._alpha("suffix@1") == pytest.approx((1 + 2 * 0.3) / (1 + 2))
+
+
 def test_a_steps_own_token_and_a_draft_models_acceptance_are_never_scaled_by_its_yield():
     """The correction by realised over expected yield scales a text match's drafts only: the target's
     own token comes with every step, and a draft model's acceptance already pools its steps."""

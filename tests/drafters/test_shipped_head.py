@@ -5,6 +5,7 @@ test_default_model.py."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -90,3 +91,13 @@ def test_with_int8_activations_the_heads_greedy_output_is_the_int8_targets(loade
         differs = differs or float32 != alone
     assert total.accepted_tokens > 0
     print(f"int8 activations: the float32 target's greedy output {'differs' if differs else 'is the same'}")
+
+
+def test_auto_starts_the_head_at_what_it_agrees_on_prompts_it_never_saw(loaded):
+    """The acceptance a request starts the head from is the one measured served on unseen prompts
+    (bench/studies/eagle3_unseen.py --record), not its training's held-out answers (0.487), on which
+    it agreed half as often again: every request then spent its first steps drafting with it."""
+    recorded = json.loads((shipped_head(EMBEDDED_NAME) / "training.json").read_text())
+    assert recorded["unseen_acceptance"] < recorded["held_out_acceptance"]
+    auto = loaded.engine.drafter("auto")
+    assert auto.priors["eagle3"] == recorded["unseen_acceptance"]
