@@ -6,6 +6,9 @@ as llama.cpp and Ollama apply, a length cap), each sample seeded so the run repe
 as good when it names the expected word and ends by itself (end of sequence) within 64 tokens.
 
     .venv/bin/python bench/studies/defaults.py [--samples 20]    # writes bench/results/defaults.json
+
+``--activations int8 --questions 1``: the int8 target (docs/internals.md#int8-activations) on the
+README's question alone, written to bench/results/defaults-int8.json.
 """
 
 from __future__ import annotations
@@ -56,13 +59,16 @@ CAP = 256  # how far a sample may run, to see how long the ramblers go
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=20, help="seeded samples per question and candidate")
+    parser.add_argument("--activations", default="float32", help="the target's activations (float32, int8)")
+    parser.add_argument("--questions", type=int, default=len(QUESTIONS), help="the first N questions (1: the README's)")
     args = parser.parse_args()
-    loaded = load_engine(EngineConfig(drafter="none", draft=None, max_model_len=2048), show_progress=False)
+    config = EngineConfig(drafter="none", draft=None, max_model_len=2048, activations=args.activations)
+    loaded = load_engine(config, show_progress=False)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     rows, started = {}, time.time()
     for name, fields in CANDIDATES.items():
         per_question = {}
-        for question, expected in QUESTIONS:
+        for question, expected in QUESTIONS[: args.questions]:
             prompt = chat_ids(tokenizer, [{"role": "user", "content": question}])
             counts = {"good": 0, "right": 0, "ended": 0, "ended_within_cap": 0, "tokens": []}
             samples = 1 if fields["temperature"] == 0 else args.samples
@@ -102,12 +108,14 @@ def main() -> None:
         report = {
             "host": host(),
             "samples": args.samples,
+            "activations": loaded.engine.config.activations,
             "within_tokens": WITHIN,
             "cap": CAP,
             "seconds": round(time.time() - started),
             "candidates": rows,
         }
-        (RESULTS / "defaults.json").write_text(json.dumps(report, indent=2) + "\n")
+        name = "defaults" if args.activations == "float32" else f"defaults-{args.activations}"
+        (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
