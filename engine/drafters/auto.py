@@ -6,9 +6,9 @@ For candidate c at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tok
 seconds, where the acceptance a_c is this request's own: accepted over accepted plus rejections,
 pooled over the steps c ran (recent ones weigh more), counting only what c proposed. A request starts
 from a prior that its scope's finished requests move (a draft model's, first its agreement measured at start-up;
-a head's, what its training measured). A text match's draft i passes, once the drafts before it
-did, as a match i - 1 tokens longer does (a match that held is a longer match), and its drafts are
-scaled by its realised over expected ones.
+a head's, as recorded beside it; 8 tokens of evidence for a model, 2 for a text match, which holds
+or breaks with the text). A text match's draft i passes, once those before it did, as a match i - 1
+tokens longer does (a match that held is a longer one); its drafts are scaled by realised over expected.
 Draft cost d_c and verify cost v(k) are timed at start-up, then measured live and shared by
 requests (v as a line over k that live steps move as a whole, ``StepCosts``; a request's first
 verify, which reads the prompt, is not timed).
