@@ -4,8 +4,10 @@ The embedded default in this process (no HTTP), each request its own scope, so n
 from another: target-only, ``suffix``, ``eagle3``, ``model`` (when a draft copy is kept) and
 ``auto``, taking turns request by request, on a chat answer, open prose and a summary that reuses
 its passage's wording, greedy and at temperature 0.8 (seeded, a new seed each round), 96 tokens.
-Reports decode tokens/s (after the first token) by configuration, each over target-only, and
-auto's steps by drafter.
+Reports decode tokens/s (after the first token) by configuration, each over target-only,
+auto's steps by drafter, and what auto itself spends a step (``OwnTime``): asking the text
+matchers for their offers (which ``suffix`` alone pays too), choosing, and its bookkeeping after
+the verify (its candidates' own ``accept`` left out).
 
     .venv/bin/python bench/studies/auto_overhead.py [--draft copy:int8] [--rounds 2]
 
@@ -20,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -42,6 +45,35 @@ PROMPTS = {
 TEMPERATURES = (0.0, 0.8)
 
 
+class OwnTime:
+    """Wall time auto spends in its own parts, per step, by wrapping the instance's methods."""
+
+    PARTS = ("offers", "choose", "books")
+
+    def __init__(self, auto) -> None:
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.steps = 0
+        self.auto = auto
+        auto._offers = self._timed("offers", auto._offers)
+        auto._choose = self._timed("choose", auto._choose)
+        for candidate in auto.candidates.values():
+            candidate.accept = self._timed("books", candidate.accept, sign=-1.0)  # not auto's own
+        auto.accept = self._timed("books", auto.accept, count=True)
+
+    def _timed(self, part: str, method, sign: float = 1.0, count: bool = False):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            result = method(*args, **kwargs)
+            self.seconds[part] += sign * (time.perf_counter() - started)
+            self.steps += count
+            return result
+
+        return timed
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {part: round(1e3 * seconds / max(self.steps, 1), 3) for part, seconds in self.seconds.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", default="copy:auto")
@@ -52,6 +84,7 @@ def main() -> None:
     engine, tokenizer = loaded.engine, loaded.tokenizer
     drafters = ["none", "suffix", "eagle3", *(["model"] if engine.draft is not None else []), "auto"]
     runner = EngineRunner(engine)
+    own = OwnTime(engine.drafter("auto"))
     rates: dict[str, dict[str, list[float]]] = {}
     steps: dict[str, dict[str, int]] = {}
     for round_index in range(args.rounds):
@@ -93,11 +126,14 @@ def main() -> None:
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "results": table,
+        "auto_own_ms_per_step": own.per_step_ms(),
+        "auto_steps": own.steps,
     }
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     for case, row in table.items():
         print(case, row["over_target_only"], "auto/best single", row["auto_over_best_single"], row["auto_steps"])
+    print("auto's own ms per step:", own.per_step_ms(), "over", own.steps, "steps")
 
 
 if __name__ == "__main__":
