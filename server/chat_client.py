@@ -8,6 +8,7 @@ reply and returns to the prompt; Ctrl-C at the prompt, or Ctrl-D, ends the chat.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ def chat(
             return 1
         model = models.json()["data"][0]["id"]
         if interactive:
+            # Ctrl-C is the chat's own key even where it started with SIGINT ignored (a shell's
+            # background job, nohup, a test runner's child), which would leave it dead
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             print(f"{model} at {url}; one message per line. Ctrl-C stops a reply; Ctrl-D quits", file=sys.stderr)
         while True:
             try:
