@@ -20,6 +20,17 @@ GOAL_TWO_X_TYPES = ("code", "summarise", "long", "agentic")
 GOAL_DEFAULT_GEOMEAN = 1.5  # the default's speedup over target-only, geometric mean over the types
 
 
+def sampled_type(kind: str, temperature: float) -> str:
+    """The label of a prompt type measured sampled: "chat@0.8"."""
+    return f"{kind}@{temperature:g}"
+
+
+def sampled_at(kind: str) -> float | None:
+    """The temperature a measured type ("chat@0.8") samples at; None for a greedy one ("chat")."""
+    _, at, temperature = kind.partition("@")
+    return float(temperature) if at else None
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -135,7 +146,7 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         entry["met"] = {name: entry[name] >= goal for name, goal in goals.items() if name in entry}
         targets[kind] = entry
     if targets:  # the means over the greedy types (a sampled type, "chat@0.8", has no llama.cpp row)
-        by_type = [entry for kind, entry in targets.items() if "@" not in kind] or list(targets.values())
+        by_type = [entry for kind, entry in targets.items() if sampled_at(kind) is None] or list(targets.values())
         geomean = round(statistics.geometric_mean([entry["default_vs_target_only"] for entry in by_type]), 3)
         targets["all"] = {"default_vs_target_only_geomean": geomean, "met": geomean >= GOAL_DEFAULT_GEOMEAN}
         for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp", *INT8_RATIOS):  # the same file, threads

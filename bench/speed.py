@@ -44,7 +44,7 @@ import yaml
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from host import cpu, measure_read_bandwidth  # noqa: E402
-from report import plot, summarise, summary, tables, update_readme  # noqa: E402
+from report import plot, sampled_at, sampled_type, summarise, summary, tables, update_readme  # noqa: E402
 from runners import (  # noqa: E402
     Conversation,
     EngineRunner,
@@ -120,7 +120,9 @@ def main() -> None:
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
     types = {kind: kind for kind in args.types.split(",")}  # measured type: the prompts' type
     if args.temperature == 0:  # a sampled run samples every type already
-        types |= {f"{kind}@{args.sampled_temperature:g}": kind for kind in filter(None, args.sampled_types.split(","))}
+        types |= {
+            sampled_type(kind, args.sampled_temperature): kind for kind in filter(None, args.sampled_types.split(","))
+        }
     prompts = {measured: prompts[kind][:1] if args.quick else prompts[kind] for measured, kind in types.items()}
     results_dir, logs_dir = BENCH / "results", BENCH / "out"
     results_dir.mkdir(exist_ok=True)
@@ -266,7 +268,8 @@ def measure(
     for repeat in range(args.repeats):
         for kind, entries in prompts.items():
             # a sampled type ("chat@0.8"): seeded, so every drafter of a target writes that target's text
-            sampling = {"temperature": float(kind.split("@")[1]), "seed": repeat} if "@" in kind else None
+            temperature = sampled_at(kind)
+            sampling = None if temperature is None else {"temperature": temperature, "seed": repeat}
             for index, entry in enumerate(entries):
                 conversation = Conversation.of(entry)
                 histories = {config.label: list(conversation.opening) for config in by_kind[kind]}
@@ -299,7 +302,7 @@ def _eta(started: float, done: int, total: int) -> str:
 def kind_configs(configs: list[Config], kind: str) -> list[Config]:
     """The configurations a prompt type runs on: a sampled type ("chat@0.8") on the servers only
     (transformers' and llama.cpp's rows decode greedily here)."""
-    return [config for config in configs if "@" not in kind or config.system.startswith("serve")]
+    return [config for config in configs if sampled_at(kind) is None or config.system.startswith("serve")]
 
 
 def run_one(
