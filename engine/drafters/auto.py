@@ -3,24 +3,22 @@
 Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with
 a head (named, or shipped for the target, priced by its own timing); and drafting nothing (k = 0).
 For candidate c at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k)
-seconds, where the acceptance a_c is this request's own: accepted over accepted plus rejections,
-pooled over the steps c ran (recent ones weigh more), counting only what c proposed. A request starts
-from a prior that its scope's finished requests move (a draft model's, first its agreement measured at start-up;
-a head's, as recorded beside it; 8 tokens of evidence for a model, 2 for a text match, which holds
+seconds. The acceptance a_c is this request's own, pooled over the steps c ran (recent ones weigh
+more), from a prior its scope's finished requests move (a draft model's: its agreement measured at
+start-up, or a head's recorded beside it, worth 8 tokens of evidence; a text match's 2, as it holds
 or breaks with the text). A text match's draft i passes, once those before it did, as a match i - 1
-tokens longer does (a match that held is a longer one); its drafts are scaled by realised over expected.
-Draft cost d_c and verify cost v(k) are timed at start-up, then measured live and shared by
-requests (v as a line over k that live steps move as a whole, ``StepCosts``; a request's first
-verify, which reads the prompt, is not timed).
+tokens longer does; its drafts are scaled by realised over expected. Draft cost d_c and verify cost
+v(k) are timed at start-up, then live, shared by requests (v as a line over k, ``StepCosts``).
 
 Text matching is asked first at every step, since its proposal costs next to nothing to make: the
 choice then knows how many tokens it offers and how long a match they continue, and its acceptance
 is tracked per match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a
-longer one mostly does, in chat as in code), so a long match wins the step and a weak one leaves
-it to the draft model. Its cost is its verify rows alone. A draft model's step must also beat the
-pace text matching (or plain decoding) would have kept over the last few steps, each step halving
-the weight of those before: where the text repeats, a plain step reaches the next match sooner
-than four drafted tokens would.
+longer one mostly does), so a long match wins the step and a weak one leaves it to the draft model.
+Its cost is its verify rows alone. An offer the step declines is scored by the token committed where
+its first draft stood, so text matching's acceptance stays current without probes. A draft model's
+step must also beat the pace text matching (or plain decoding) kept over the last few steps, each
+step halving the weight of those before: where the text repeats, a plain step reaches the next match
+sooner than four drafted tokens would.
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
@@ -29,9 +27,8 @@ of a step), is spread over the next ``HORIZON`` tokens when candidates are compa
 prompt is not prefilled into a draft that cannot win it back. (A draft that copies the target's
 keys and values, ``draft_kv``, has nothing to catch up on.) Where the step's best is another, a
 draft model unused for a while (``probe_every`` steps at acceptance 0.5; longer below, sooner above)
-drafts one token, as does a text match of a length unused as long: acceptance stays current. A
-draft model whose live-timed step could not beat plain decoding at any k even at the most it may
-accept (an int8 copy whose step costs what the target's does) is probed ``RARELY`` times less often.
+drafts one token; one whose live-timed step could not beat plain decoding at any k even at the most
+it may accept (an int8 copy as dear as the target) is probed ``RARELY`` times less often.
 
 Every choice depends only on earlier steps and the committed tokens, never on the current step's
 random draws, so the output is still distributed exactly as the target's.
@@ -45,31 +42,25 @@ from dataclasses import replace
 from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, beats_plain, expected_tokens
 from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line
 from ..sampling import RequestSampler
-from .auto_state import EVIDENCE_DECAY, MODEL_PRIOR_TOKENS, PRIOR_TOKENS, RequestState, StepChoice
+from .auto_state import (
+    EVIDENCE_DECAY,
+    MATCH_PRIORS,
+    MODEL_PRIOR_TOKENS,
+    PRIOR_TOKENS,
+    RequestState,
+    StepChoice,
+    continued,
+    match_track,
+)
 from .base import Drafter, DraftResources, Proposal
 from .eagle3 import head_drafter
 from .registry import build, register
 
-# A text match's acceptance before any request ran, by the length of the match its proposal
-# continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
-# tokens or more, in chat as in code). A draft model's is ALPHA_PRIOR until start-up measures it.
-MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
 PRIOR_WEIGHT = 0.3  # how much one finished request moves a prior
 HORIZON = 64  # tokens over which a candidate's catch-up is paid back
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
-PROBE_ALPHA = 0.5  # the acceptance at which an unused track is probed after probe_every steps
+PROBE_ALPHA = 0.5  # the acceptance at which an unused draft model is probed after probe_every steps
 RARELY = 8  # how many times longer a draft model that cannot pay here goes unprobed
-
-
-def match_track(name: str, match_length: int) -> str:  # suffix@4: a match of 4 to 7 tokens
-    return f"{name}@{max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))}"
-
-
-def continued(track: str, count: int) -> list[str]:
-    """The tracks a text match's drafts 1..count are accepted on: draft i continues the match i - 1
-    tokens further (suffix@1's drafts: suffix@1, suffix@2, suffix@2, suffix@4)."""
-    name, length = track.rsplit("@", 1)
-    return [match_track(name, int(length) + index) for index in range(count)]
 
 
 class AutoDrafter(Drafter):
@@ -136,6 +127,7 @@ class AutoDrafter(Drafter):
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
         request.step += 1
+        self._score_declined(token_ids)
         offers = self._offers(token_ids, num_draft_tokens, sampler)
         if self.verify.knows(0):
             tokens, seconds = self._text_step(offers)[1:]
@@ -153,6 +145,8 @@ class AutoDrafter(Drafter):
             proposal, choice.track = self.candidates[name].propose(token_ids, k, sampler), name
         if choice.track is not None:
             request.last_tried[name] = request.last_tried[choice.track] = request.step
+        declined = [offer for each, offer in offers.items() if each != name]  # scored at the next step
+        request.declined = [(len(token_ids), int(offered.token_ids[0]), track) for offered, track in declined]
         choice.drafted = proposal.token_ids.shape[0]
         choice.proposed_at = time.perf_counter()
         choice.draft_seconds = choice.proposed_at - started
@@ -206,6 +200,18 @@ class AutoDrafter(Drafter):
         request.yields[track] = (EVIDENCE_DECAY * yielded + accepted, EVIDENCE_DECAY * expected + passing)
         request.pool(continued(track, drafted), accepted)
 
+    def _score_declined(self, token_ids: list[int]) -> None:
+        """Score the text offers the last step declined by the token it committed where their first
+        draft stood: a drafted token passes with the target's probability of it, the chance that
+        token is the one committed (greedy: exactly when it is). Evidence like a drafted step's, for
+        free, so a track a scope learned low on other text recovers where this text repeats."""
+        request = self._request
+        for position, token, track in request.declined:
+            if position < len(token_ids):
+                self._observe(track, int(token_ids[position] == token), 1)
+                request.last_tried[track] = request.step
+        request.declined = []
+
     def _alpha(self, track: str) -> float:
         return self._request.alpha.get(track, self._request.priors.get(track, ALPHA_PRIOR))
 
@@ -257,26 +263,22 @@ class AutoDrafter(Drafter):
         """Start-up's measures of a draft model's reading cost: per token of a long prefill (else a
         draft step per token, several times too much, would keep it off any prompt it has not read),
         and per row beyond the first of a short read (the tokens another candidate got accepted)."""
-        for name in self.candidates:
-            if self._reads(name):
-                self.catch_up.setdefault(name, seconds_per_token)
-                if seconds_per_extra_row is not None:
-                    self.extra_row[name] = seconds_per_extra_row
+        for name in self.draft_costs:  # the candidates that run a model
+            self.catch_up.setdefault(name, seconds_per_token)
+            if seconds_per_extra_row is not None:
+                self.extra_row[name] = seconds_per_extra_row
 
     def expect_step_costs(self, verify_seconds: dict[int, float], draft_step_seconds: float | None) -> None:
         """Start-up's timings of the target's forward over k + 1 tokens (each k) and of the draft
         model's step, so a first request measures nothing at full k; live measures replace them."""
         self.verify.expect(verify=verify_seconds)
-        if draft_step_seconds is not None:
-            for name in self.candidates:
-                if self._reads(name):
-                    self.draft_costs[name].expect(draft=draft_step_seconds)
+        for costs in self.draft_costs.values():
+            if draft_step_seconds is not None:
+                costs.expect(draft=draft_step_seconds)
 
     def expect_agreement(self, acceptance: float) -> None:
         """Start-up's measure of the draft model's acceptance: its candidates' prior."""
-        for name in self.candidates:
-            if self._reads(name):
-                self.priors[name] = acceptance
+        self.priors |= dict.fromkeys(self.draft_costs, acceptance)
         self._request = RequestState(alpha=dict(self.priors), priors=dict(self.priors))
 
     def _reads(self, name: str | None) -> bool:
@@ -322,29 +324,22 @@ class AutoDrafter(Drafter):
                 seconds = k * costs.draft + self.verify.verify_cost(k) + catch_up[name] * tokens / HORIZON
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
-        # Probes keep acceptance current where the best is another, at one drafted token: a text match
-        # of a length unused for a while (probe_every steps at acceptance 0.5, longer for a weaker
-        # track: a probe is worth its chance to hold), then a draft model that need not catch up much.
-        # A draft model whose live-measured step could not beat plain decoding even at the most it may
-        # accept (the higher of its prior and this request's estimate; a draft step as dear as the
-        # target's) is probed RARELY as often, to keep that measure current.
+        # Probes keep a draft model's acceptance current (text matching needs none: ``_score_declined``)
+        # where the best is another model or a plain step, never a text match (taken without detour),
+        # at one drafted token, once unused a while (probe_every steps at acceptance 0.5, longer for a
+        # weaker one) and with little to catch up. One whose live step could not beat plain decoding even
+        # at the most it may accept (the higher of its prior and this request's estimate) is probed
+        # RARELY as often, to keep that measure current.
+        if best[0] in offers:
+            return best
         plain_step, due = self.verify.verify_cost(0), self.probe_every * PROBE_ALPHA
-        tracks = {name: track for name, (_, track) in offers.items()} | {name: name for name in self.draft_costs}
-        dues = {
-            name: due * RARELY
-            for name, costs in self.draft_costs.items()
-            if not costs.provisional_draft
-            and not beats_plain(
-                max(request.priors.get(name, ALPHA_PRIOR), self._alpha(name)), limit, costs, self.verify
-            )
-        }
-        stale = [
-            name
-            for name, track in tracks.items()
-            if (request.step - request.last_tried.get(track, 0)) * self._alpha(track) > dues.get(name, due)
-            and catch_up.get(name, 0) <= plain_step
-        ]
-        return next(((name, 1) for name in stale if name != best[0]), best)
+        for name, costs in self.draft_costs.items():
+            most = max(request.priors.get(name, ALPHA_PRIOR), self._alpha(name))
+            hopeless = not costs.provisional_draft and not beats_plain(most, limit, costs, self.verify)
+            unused = (request.step - request.last_tried.get(name, 0)) * self._alpha(name)
+            if name != best[0] and unused > due * (RARELY if hopeless else 1) and catch_up[name] <= plain_step:
+                return name, 1
+        return best
 
 
 @register("auto", AutoDrafter)

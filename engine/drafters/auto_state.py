@@ -12,6 +12,21 @@ PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of e
 # more: its acceptance moves less along a request than a text match's, which holds or breaks with the text
 MODEL_PRIOR_TOKENS = 8.0
 EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
+# A text match's acceptance before any request ran, by the length of the match its proposal
+# continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
+# tokens or more, in chat as in code). A draft model's is ALPHA_PRIOR until start-up measures it.
+MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
+
+
+def match_track(name: str, match_length: int) -> str:  # suffix@4: a match of 4 to 7 tokens
+    return f"{name}@{max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))}"
+
+
+def continued(track: str, count: int) -> list[str]:
+    """The tracks a text match's drafts 1..count are accepted on: draft i continues the match i - 1
+    tokens further (suffix@1's drafts: suffix@1, suffix@2, suffix@2, suffix@4)."""
+    name, length = track.rsplit("@", 1)
+    return [match_track(name, int(length) + index) for index in range(count)]
 
 
 @dataclass(slots=True)
@@ -43,6 +58,9 @@ class RequestState:
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate and track last ran
     # (tokens, seconds) text matching or plain decoding made of the last few steps: a draft step must beat it
     text_pace: tuple[float, float] = (0.0, 0.0)
+    # text offers the step did not take, (position, first drafted token, track): the tokens committed
+    # next say whether that draft would have passed (``AutoDrafter._score_declined``)
+    declined: list[tuple[int, int, str]] = field(default_factory=list)
     step: int = 0
 
     def pool(self, tracks: list[str], accepted: int, prior_tokens: float = PRIOR_TOKENS) -> None:

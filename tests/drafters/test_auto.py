@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.adaptive import StepCosts, expected_tokens
+from engine.adaptive import ScopePriors, StepCosts, expected_tokens
 from engine.drafters.auto import MATCH_PRIORS, match_track
 from engine.drafters.base import Proposal
 from engine.factory import warm_up
@@ -169,22 +169,57 @@ def test_a_steps_own_token_and_a_draft_models_acceptance_are_never_scaled_by_its
     assert auto._tokens("model", 4) == pytest.approx(expected_tokens(alpha, 4))
 
 
-def test_probes_take_a_text_match_of_a_length_unused_lately_and_a_draft_model_with_one_token():
+def test_probes_take_a_draft_model_unused_lately_with_one_token_and_never_a_text_match():
     auto = priced_auto(
-        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@2": 0.1, "model": 0.9, "staged": 0.5}
+        {0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@2": 0.05, "model": 0.9, "staged": 0.05}
     )
     assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 4)  # on merit
-    auto._request.step = 17  # 16 steps unused would make a track at acceptance 0.5 due, not one at 0.1
+    auto._request.step = 500  # a text match's track unused for 500 steps: no probe (declined offers are scored)
+    auto._request.last_tried |= {"model": 500, "staged": 500}
     assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 4)
-    auto._request.step = 81  # 80 steps make it due
-    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("suffix", 1)  # the first token of the offer
-    auto._request.last_tried["suffix@2"] = 81
-    auto._request.step = 82
-    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 4)  # the best needs no probe
-    auto._request.alpha["model"] = 0.05
-    auto._request.last_tried["staged"] = auto._request.last_tried["suffix@2"] = 200
-    auto._request.step = 200
-    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 1)  # a probe, one token
+    auto._request.alpha["model"] = 0.4
+    auto._request.last_tried["model"] = 475  # 25 steps at acceptance 0.4 make it due (20 at 0.5)
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 1)  # a probe, one token, for a plain step
+    auto._request.alpha["suffix@2"] = 0.95
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("suffix", 3)  # a text match that wins: no detour
+    auto._request.alpha["suffix@2"] = 0.05
+    auto._request.last_tried["model"] = 485
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == (None, 0)
+
+
+def test_a_declined_text_offer_is_scored_by_the_token_committed_where_its_first_draft_stood():
+    """A drafted token passes with the target's probability of it, the chance that it is the token
+    a plain step commits there (greedy: exactly when it is): free evidence, pooled as a step's."""
+    auto = priced_auto({0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@1": 0.3})
+    auto._request.declined = [(3, 7, "suffix@1")]
+    auto._score_declined([1, 2, 3, 7, 8])  # token 7 was committed at position 3: it would have passed
+    held = auto._alpha("suffix@1")
+    assert held > 0.3 and auto._request.last_tried["suffix@1"] == auto._request.step and not auto._request.declined
+    auto._request.declined = [(4, 9, "suffix@1")]
+    auto._score_declined([1, 2, 3, 7, 8])  # 8, not 9
+    assert auto._alpha("suffix@1") < held
+
+
+def test_text_matching_learned_useless_in_a_scope_recovers_where_the_text_repeats():
+    """A scope whose requests found no text match holding starts the next with every match track
+    near 0: declined offers, scored by the text that follows, bring the track back and suffix
+    drafts. Before, a track that low waited hundreds of steps for a probe and the request drafted
+    nothing."""
+    target = tiny_llama(seed=3, vocab_size=96, init=0.2)
+    engine = tiny_engine(target, None, drafter="auto")
+    warm_up(engine)
+    auto = engine.drafter("auto")
+    auto.scope_priors = ScopePriors(dict.fromkeys(auto.priors, 0.02), 0.3)  # as a scope's requests left them
+    step = auto.verify.verify_cost(0)  # a verify row costing a third of a step, as on CPU: a track at 0.02 never pays
+    auto.verify = StepCosts()
+    auto.verify.expect(verify={k: step * (1 + k / 3) for k in range(5)})
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompt = [5, 9, 11, 5, 9, 11, 5, 9, 11, 5, 9, 11]
+    outputs = list(engine.generate(Request("r", prompt, params, drafter="auto", tenant="a")))
+    expected = [t for o in tiny_engine(target, None).generate(Request("t", prompt, params)) for t in o.token_ids]
+    assert [t for o in outputs for t in o.token_ids] == expected
+    steps = outputs[-1].stats.to_dict()["steps_by_drafter"]
+    assert steps.get("suffix", 0) >= 3, steps
 
 
 def test_a_weak_text_match_is_taken_cut_to_the_tokens_that_pay():
