@@ -9,11 +9,14 @@ auto's steps by drafter, and what auto itself spends a step (``OwnTime``): askin
 matchers for their offers (which ``suffix`` alone pays too), choosing, and its bookkeeping after
 the verify (its candidates' own ``accept`` left out).
 
-    .venv/bin/python bench/studies/auto_overhead.py [--draft copy:int8] [--rounds 2]
+    .venv/bin/python bench/studies/auto_overhead.py [--draft copy:int8] [--rounds 2] [--prompts bench [--one-scope]]
 
 ``--draft``: the draft the engine keeps (default: as the server would, ``copy:auto``, which keeps
-none where the target alone is faster). Writes bench/results/auto_overhead.json, one entry per
-``--draft`` (a run replaces its own entry).
+none where the target alone is faster). ``--prompts bench``: the first turn of every prompt of
+bench/prompts.yaml instead, by type (code, summaries, long documents, where text repeats);
+``--one-scope``: each configuration's requests share one scope per round, as one user's traffic
+mixing the types would (auto's priors then carry from one type to the next). Writes
+bench/results/auto_overhead.json, one entry per ``--draft`` and prompt set (a run replaces its own).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.host import host  # noqa: E402
-from bench.runners import EngineRunner, chat_ids  # noqa: E402
+from bench.runners import Conversation, EngineRunner, chat_ids  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
 
@@ -43,6 +48,13 @@ PROMPTS = {
     ),
 }
 TEMPERATURES = (0.0, 0.8)
+BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "prompts.yaml"
+
+
+def bench_prompts() -> list[tuple[str, list[dict]]]:
+    """(type, first request's messages) for every prompt of bench/prompts.yaml."""
+    kinds = yaml.safe_load(BENCH_PROMPTS.read_text())
+    return [(kind, Conversation.of(item).first_request()) for kind, items in kinds.items() for item in items]
 
 
 class OwnTime:
@@ -79,7 +91,13 @@ def main() -> None:
     parser.add_argument("--draft", default="copy:auto")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--prompts", choices=("own", "bench"), default="own", help="this study's three, or the bench's")
+    parser.add_argument("--one-scope", action="store_true", help="one scope per configuration and round")
     args = parser.parse_args()
+    if args.prompts == "bench":
+        prompts = bench_prompts()
+    else:
+        prompts = [(kind, [{"role": "user", "content": text}]) for kind, text in PROMPTS.items()]
     loaded = load_engine(EngineConfig(draft=None if args.draft == "none" else args.draft), show_progress=False)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     drafters = ["none", "suffix", "eagle3", *(["model"] if engine.draft is not None else []), "auto"]
@@ -88,13 +106,14 @@ def main() -> None:
     rates: dict[str, dict[str, list[float]]] = {}
     steps: dict[str, dict[str, int]] = {}
     for round_index in range(args.rounds):
-        for kind, text in PROMPTS.items():
-            prompt = chat_ids(tokenizer, [{"role": "user", "content": text}])
+        for index, (kind, messages) in enumerate(prompts):
+            prompt = chat_ids(tokenizer, messages)
             for temperature in TEMPERATURES:
                 case = f"{kind}@{temperature}"
                 sampling = {"temperature": temperature, "seed": 11 + round_index} if temperature else None
                 for drafter in drafters:  # taking turns, request by request
-                    run = runner.run(drafter, False, prompt, args.max_tokens, f"{case}{drafter}{round_index}", sampling)
+                    scope = f"{drafter}{round_index}" if args.one_scope else f"{index}{case}{drafter}{round_index}"
+                    run = runner.run(drafter, False, prompt, args.max_tokens, scope, sampling)
                     times = run.token_times
                     rates.setdefault(case, {}).setdefault(drafter, []).append((len(times) - 1) / (times[-1] - times[0]))
                     if drafter == "auto":
@@ -119,11 +138,15 @@ def main() -> None:
         }
     path = RESULTS / "auto_overhead.json"
     report = json.loads(path.read_text()) if path.exists() else {}
-    report[f"draft {args.draft}"] = {
+    entry = (
+        f"draft {args.draft}" + ("" if args.prompts == "own" else ", bench prompts") + ", one scope" * args.one_scope
+    )
+    report[entry] = {
         "host": host(),
         "model": "embedded SmolLM2-135M-Instruct on its GGUF blocks, float32 activations, in process",
         "kept_draft": engine.config.draft,
         "rounds": args.rounds,
+        "scopes": "one per configuration and round" if args.one_scope else "one per request",
         "max_tokens": args.max_tokens,
         "results": table,
         "auto_own_ms_per_step": own.per_step_ms(),
