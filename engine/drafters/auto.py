@@ -272,8 +272,8 @@ class AutoDrafter(Drafter):
         """Start-up's timings of the target's forward over k + 1 tokens (each k) and of the draft
         model's step, so a first request measures nothing at full k; live measures replace them."""
         self.verify.expect(verify=verify_seconds)
-        for costs in self.draft_costs.values():
-            if draft_step_seconds is not None:
+        if draft_step_seconds is not None:
+            for costs in self.draft_costs.values():
                 costs.expect(draft=draft_step_seconds)
 
     def expect_agreement(self, acceptance: float) -> None:
