@@ -145,8 +145,8 @@ class AutoDrafter(Drafter):
             proposal, choice.track = self.candidates[name].propose(token_ids, k, sampler), name
         if choice.track is not None:
             request.last_tried[name] = request.last_tried[choice.track] = request.step
-        declined = [offer for each, offer in offers.items() if each != name]  # scored at the next step
-        request.declined = [(len(token_ids), int(offered.token_ids[0]), track) for offered, track in declined]
+        declined = [(each, track) for each, (_, track) in offers.items() if each != name]  # scored next step
+        request.declined = [(len(token_ids), self.candidates[each].proposed[0], track) for each, track in declined]
         choice.drafted = proposal.token_ids.shape[0]
         choice.proposed_at = time.perf_counter()
         choice.draft_seconds = choice.proposed_at - started

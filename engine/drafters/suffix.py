@@ -31,7 +31,7 @@ MIN_PROBABILITY = 0.1  # stop drafting once the path's estimated probability fal
 
 class SuffixDrafter(Drafter):
     name = "suffix"
-    per_sequence = ("_local", "_indexed", "_tenant", "match_length")
+    per_sequence = ("_local", "_indexed", "_tenant", "match_length", "proposed")
 
     def __init__(self, device: torch.device, cache: OutputCache | None, max_match: int = MAX_MATCH) -> None:
         self.device = device
@@ -41,6 +41,7 @@ class SuffixDrafter(Drafter):
         self._indexed = 0  # continuations before this position are in the local index
         self._tenant = ""
         self.match_length = 0  # tokens the last proposal's first match spanned (0: none): how far to trust it
+        self.proposed: list[int] = []  # the last proposal's tokens, on the host (reading them back would wait)
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         self._local = ContinuationIndex(self.max_match)
@@ -64,6 +65,7 @@ class SuffixDrafter(Drafter):
                 break
             drafted.append(token)
             context = (context + [token])[-self.max_match :]
+        self.proposed = drafted
         if not drafted:
             return Proposal.empty(self.device)
         return Proposal(upload(drafted, self.device), None)
