@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,7 +28,7 @@ from .engine import SpecEngine
 from .errors import ConfigError
 from .measure import choose_copy
 from .model.fingerprint import arithmetic, system_fingerprint, weight_files
-from .model.loader import eos_token_ids, load
+from .model.loader import CopySource, eos_token_ids, load
 from .model.model import CausalLM
 from .model.runner import GraphRunner
 
@@ -94,7 +97,7 @@ def load_engine(config: EngineConfig, show_progress: bool | None = None) -> Load
 def build_engine(
     config: EngineConfig,
     target_model: torch.nn.Module,
-    draft_model: torch.nn.Module | None,
+    draft_model: torch.nn.Module | CopySource | None,
     eos_token_ids: set[int],
     tokenizer_size: int | None = None,
     target_file: Path | None = None,
@@ -117,16 +120,20 @@ def build_engine(
     config = replace(config, activations=held_activations(target))  # "auto" decided
     release_freed_memory()
     target.use_kernels(config.kernel_mode, config.compile_backend)  # before copy:auto times it
-    draft = CausalLM(draft_model, max_len) if draft_model is not None else None
-    measured_agreement = None
-    if draft is not None and config.draft_copy == COPY_INT8:
-        draft.weights.quantize_int8()
-    elif draft is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
+    draft, measured_agreement = None, None
+    if draft_model is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
+        read = copy_reader(draft_model, target.device)
         cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
-        keep_none = config.drafter == "auto"  # which has other candidates; a drafter named "model" needs a copy
-        draft, form, measured_agreement = choose_copy(target, draft, config.num_draft_tokens, cache, keep_none)
+        draft, form, measured_agreement = choose_copy(
+            target, lambda: CausalLM(read(), max_len), config.num_draft_tokens, cache, runs_without_draft(config)
+        )
         config = replace(config, draft=None if draft is None else COPY_PREFIX + form)
+        del draft_model, read  # a model copied from: the copy kept (or none) is what the engine holds
         release_freed_memory()
+    elif draft_model is not None:
+        draft = CausalLM(draft_model, max_len)
+        if config.draft_copy == COPY_INT8:
+            draft.weights.quantize_int8()
     if draft is not None:
         draft.use_kernels(config.kernel_mode, config.compile_backend)
     mode = config.forward_mode
@@ -137,6 +144,21 @@ def build_engine(
     engine = SpecEngine(config, target, draft, eos_token_ids, tokenizer_size, measured_agreement)
     check_memory(engine)
     return engine
+
+
+def copy_reader(draft_model: torch.nn.Module | CopySource, device: torch.device) -> Callable[[], torch.nn.Module]:
+    """How copy:auto reads a bfloat16 copy of the target each time it times or keeps one: from the
+    target's file; else, from the copy loaded, a deep copy of it on CPU (where one copy is timed,
+    let go, and another made) or that copy itself elsewhere (where one is taken, untimed)."""
+    if isinstance(draft_model, CopySource):
+        return draft_model.read
+    return partial(copy.deepcopy, draft_model) if device.type == "cpu" else lambda: draft_model
+
+
+def runs_without_draft(config: EngineConfig) -> bool:
+    """Whether the start-up drafter can run without a draft model (all but "model" and a staged
+    chain with a model stage): copy:auto may then keep none, where no copy promises to pay here."""
+    return config.drafter != "model" and not (config.drafter == "staged" and "model" in config.stages)
 
 
 def check_memory(engine: SpecEngine) -> None:

@@ -8,15 +8,17 @@ copy is timed under its own measured plan, packed where that pays.
 
 from __future__ import annotations
 
-import copy
 import logging
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from .adaptive import expected_tokens
-from .cpu.matmul import thread_clock, thread_share
+from .cpu.int8_blocks import held_activations
+from .cpu.matmul import thread_clock, thread_share, weight_key
+from .cpu.memory import release_freed_memory
 from .cpu.plan_cache import PlanCache, digest
 from .model.model import CausalLM
 from .model.timing import synchronize
@@ -85,43 +87,46 @@ def agreement(draft: CausalLM, target: CausalLM, num_tokens: int = 32) -> float:
 
 def choose_copy(
     target: CausalLM,
-    bfloat16: CausalLM,
+    read_copy: Callable[[], CausalLM],
     num_draft_tokens: int,
     cache: PlanCache | None = None,
     may_keep_none: bool = False,
 ) -> tuple[CausalLM | None, str, float | None]:
     """``copy:auto``: the bfloat16 copy of the target, or the same weights as int8 rows, whichever
     promises more tokens per second: expected_tokens(agreement, k) over k draft steps and a verify,
-    each timed here, at its best k up to ``num_draft_tokens``. With ``may_keep_none`` (the auto
-    drafter, which has other candidates), neither unless one promises KEEP_MARGIN more than the target
-    alone decodes: a copy that cannot pay only costs memory and auto's probes. Off CPU (no int8 kernel
-    there) the bfloat16 copy, unmeasured. Returns the chosen model (None: none), what it is
-    ("bfloat16", "int8" or "none"), and its measured agreement with the target (None: not measured).
-    With a ``cache``, the choice is stored beside the target's matmul plan (unless timed on a busy
-    host) and read back at the next start of the same model on this host, which then times nothing
-    here: the choice holds between starts, as the plan does, and a start of the embedded model is
-    2.3 s shorter (22.5 s to 20.8 s on an idle host); ``--matmul-plan measure`` chooses again."""
+    each timed here, at its best k up to ``num_draft_tokens``. With ``may_keep_none`` (a start-up
+    drafter that can do without a draft model), neither unless one promises KEEP_MARGIN more than
+    the target alone decodes: a copy that cannot pay only costs memory and auto's probes. Off CPU
+    (no int8 kernel there) the bfloat16 copy, unmeasured. Returns the chosen model (None: none),
+    what it is ("bfloat16", "int8" or "none"), and its measured agreement with the target (None: not
+    measured). ``read_copy`` gives a fresh bfloat16 copy at each call; one is read only to be timed
+    or kept, and the copies are timed one at a time, so start-up never holds two.
+    With a ``cache``, the choice is stored under the host and the target's weights (unless timed on
+    a busy host) and read back at the next start of the same model on this host, which then times
+    nothing and reads only the copy it keeps (none: nothing): the choice holds between starts, as
+    the matmul plan does; ``--matmul-plan measure`` chooses again."""
     if target.device.type != "cpu":
-        return bfloat16, "bfloat16", None
+        return read_copy(), "bfloat16", None
     max_rows = num_draft_tokens + 2
     target.weights.plan_matmuls(min(max_rows, target.max_len), cache)  # first: it frees what it holds in another form
-    # stored where the plan is, for a model loaded from somewhere (one built in-process has no name)
-    named = cache and target.weights.plan_key and target.config.name_or_path
-    key = _choice_key(target, num_draft_tokens, may_keep_none) if named else ""
+    # stored for a model loaded from somewhere (one built in-process has no name)
+    key = _choice_key(target, cache, num_draft_tokens, may_keep_none) if cache and target.config.name_or_path else ""
     stored = cache.load_record(key, "copy:auto choice") if key else None
     if stored is not None and stored.get("choice") in ("none", "bfloat16", "int8"):
         log.info("draft copy:auto chose %s (stored, measured %s)", stored.get("found"), stored.get("measured"))
-        return _kept_copy(stored["choice"], bfloat16, max_rows, cache), stored["choice"], stored.get("agreement")
+        return _kept_copy(stored["choice"], read_copy, max_rows, cache), stored["choice"], stored.get("agreement")
     log.info("draft copy:auto: timing a bfloat16 and an int8 copy of the target on this host to keep the faster")
     started = thread_clock()
-    int8 = _kept_copy("int8", bfloat16, max_rows, cache)
-    bfloat16.weights.plan_matmuls(min(max_rows, bfloat16.max_len), cache)
     most = max(num_draft_tokens, 1)
     read_seconds(target, 1, repeats=1)  # first-call costs
     alone = read_seconds(target, 1, repeats=3)
     per_row = extra_row_seconds(target, most + 1, alone, 2, scored=True)  # a verify of k drafts: alone + k * per_row
     rates, found, agreements = {"none": 1 / alone}, {}, {}
-    for form, model in (("bfloat16", bfloat16), ("int8", int8)):
+    model = None
+    for form in ("bfloat16", "int8"):  # int8 last: the copy kept where it wins (on CPUs with VNNI, mostly)
+        model = None  # the copy timed before, let go before the next is read
+        release_freed_memory()
+        model = _kept_copy(form, read_copy, max_rows, cache)
         read_seconds(model, 1, repeats=1)  # first-call costs
         step, agreements[form] = read_seconds(model, 1, repeats=3), agreement(model, target)
         rates[form], k = max(
@@ -138,27 +143,33 @@ def choose_copy(
     if key:
         choice = {"choice": chosen, "agreement": agreements.get(chosen), "found": found[chosen]}
         cache.save_record(key, "copy:auto choice", choice, thread_share(started))
-    model = {"bfloat16": bfloat16, "int8": int8}.get(chosen)
+    if chosen != "int8":  # the int8 copy timed last is let go; the bfloat16 one is read again
+        model = None
+        release_freed_memory()
+        model = _kept_copy(chosen, read_copy, max_rows, cache)
     return model, chosen, agreements.get(chosen)
 
 
-def _kept_copy(form: str, bfloat16: CausalLM, max_rows: int, cache: PlanCache | None) -> CausalLM | None:
+def _kept_copy(form: str, read_copy: Callable[[], CausalLM], max_rows: int, cache: PlanCache | None) -> CausalLM | None:
     """The copy ``copy:auto`` keeps: None, the bfloat16 copy under its plan, or int8 rows made from it."""
+    if form == "none":
+        return None
+    model = read_copy()
     if form == "bfloat16":
-        bfloat16.weights.plan_matmuls(min(max_rows, bfloat16.max_len), cache)
-        return bfloat16
-    if form == "int8":
-        int8 = CausalLM(copy.deepcopy(bfloat16.hf_model), bfloat16.max_len)
-        int8.weights.quantize_int8()
-        return int8
-    return None
+        model.weights.plan_matmuls(min(max_rows, model.max_len), cache)
+    else:
+        model.weights.quantize_int8()
+    return model
 
 
-def _choice_key(target: CausalLM, num_draft_tokens: int, may_keep_none: bool) -> str:
-    """What ``copy:auto``'s choice is stored under: the target's plan key (the host and the weights'
-    shapes), which model it is (agreement depends on its values), k and whether none may be kept."""
-    described = [target.weights.plan_key, target.config.name_or_path, num_draft_tokens, may_keep_none, KEEP_MARGIN]
-    return "copy-auto-" + digest(described)
+def _choice_key(target: CausalLM, cache: PlanCache, num_draft_tokens: int, may_keep_none: bool) -> str:
+    """What ``copy:auto``'s choice is stored under: the host and the target's weights (their shapes,
+    which are GGUF blocks, and what those multiply), which model it is (agreement depends on its
+    values), k and whether none may be kept."""
+    weights = target.weights
+    host = cache.key([weight_key(shape) for shape in weights.shapes], list(weights.blocks_by_shape()), 0)
+    named = [host, held_activations(target), target.config.name_or_path, num_draft_tokens, may_keep_none, KEEP_MARGIN]
+    return "copy-auto-" + digest(named)
 
 
 def robust_line(values: list[float]) -> list[float]:

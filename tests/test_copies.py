@@ -5,18 +5,23 @@ from __future__ import annotations
 import copy
 import logging
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.cpu.blocks import native_ops_available
+from engine.cpu.gguf_file import GGUFFile
 from engine.factory import build_engine, warm_up
 from engine.measure import KEEP_MARGIN, choose_copy
-from engine.model.loader import converted_copy
+from engine.model.from_gguf import read_gguf_target
+from engine.model.loader import CopySource, converted_copy
 from engine.model.model import CausalLM
 from engine.model.weights import Int8Weight
 from engine.request import Request
 from engine.sampling import SamplingParams
+from tests.model.test_from_gguf import write_model
 from tests.tiny import tiny_llama
 
 
@@ -74,13 +79,29 @@ def test_a_copy_names_one_of_the_forms():
     assert EngineConfig(draft="some/model").draft_copy is None
 
 
+def copies_of(hf_model: torch.nn.Module, reads: list | None = None) -> Callable[[], CausalLM]:
+    """copy:auto's ``read_copy`` over an in-process model: a fresh bfloat16 copy at each call,
+    each one noted in ``reads``."""
+
+    def read() -> CausalLM:
+        model = CausalLM(copy.deepcopy(hf_model).to(torch.bfloat16), max_len=64)
+        if reads is not None:
+            reads.append(model)
+        return model
+
+    return read
+
+
 def _chosen_copy(caplog, may_keep_none: bool) -> tuple[CausalLM | None, str, float | None, str, dict]:
-    """copy:auto over a tiny target: what it returns, its log line, and the rates the line names."""
-    target = CausalLM(tiny_llama(seed=5, vocab_size=64, init=0.2), max_len=64)
-    bfloat16 = CausalLM(copy.deepcopy(target.hf_model).to(torch.bfloat16), max_len=64)
+    """copy:auto over a tiny target: what it returns, its log line, and the rates the line names.
+    It reads a copy for each form it times, and again only the bfloat16 one where that is kept."""
+    target, reads = CausalLM(tiny_llama(seed=5, vocab_size=64, init=0.2), max_len=64), []
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="engine.measure"):
-        chosen, form, agreed = choose_copy(target, bfloat16, num_draft_tokens=3, may_keep_none=may_keep_none)
+        chosen, form, agreed = choose_copy(
+            target, copies_of(target.hf_model, reads), num_draft_tokens=3, may_keep_none=may_keep_none
+        )
+    assert len(reads) == (3 if form == "bfloat16" else 2) and (chosen is None or chosen is reads[-1])
     line = next(r.getMessage() for r in caplog.records if "copy:auto chose" in r.getMessage())
     rates = {name: float(rate) for name, rate in re.findall(r"(int8|bfloat16|none) \(.*?, ([\d.]+) tok/s", line)}
     return chosen, form, agreed, line, rates
@@ -138,10 +159,10 @@ def test_copy_auto_stores_its_choice_beside_the_plan_and_the_next_start_times_no
 
     monkeypatch.setattr(matmul_module, "UNDISTURBED_SHARE", 0.0)  # storing is tested here, whatever the host's load
 
-    def models(name: str) -> tuple[CausalLM, CausalLM]:
+    def models(name: str, reads: list | None = None) -> tuple[CausalLM, Callable[[], CausalLM]]:
         hf_model = tiny_llama(seed=5, vocab_size=64, init=0.2)
         hf_model.config._name_or_path = name
-        return CausalLM(hf_model, max_len=64), CausalLM(copy.deepcopy(hf_model).to(torch.bfloat16), max_len=64)
+        return CausalLM(hf_model, max_len=64), copies_of(hf_model, reads)
 
     first = choose_copy(*models("tiny/copy-auto"), num_draft_tokens=3, cache=PlanCache(tmp_path), may_keep_none=True)
     assert len(list(tmp_path.glob("copy-auto-*.json"))) == 1
@@ -151,10 +172,12 @@ def test_copy_auto_stores_its_choice_beside_the_plan_and_the_next_start_times_no
 
     with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="engine.measure"):
         patch.setattr(measure_module, "read_seconds", no_timing)
+        reads = []  # only the copy it keeps
         again = choose_copy(
-            *models("tiny/copy-auto"), num_draft_tokens=3, cache=PlanCache(tmp_path), may_keep_none=True
+            *models("tiny/copy-auto", reads), num_draft_tokens=3, cache=PlanCache(tmp_path), may_keep_none=True
         )
         assert again[1:] == first[1:] and (again[0] is None) == (first[0] is None)
+        assert len(reads) == (first[1] != "none") and (again[0] is None or again[0] is reads[0])
         assert again[0] is None or again[0].weights.int8 == (first[1] == "int8")
         assert "(stored, measured " in caplog.text
         with pytest.raises(AssertionError, match="nothing to time"):  # measuring asked for
@@ -163,3 +186,36 @@ def test_copy_auto_stores_its_choice_beside_the_plan_and_the_next_start_times_no
             choose_copy(*models("tiny/copy-auto"), 2, PlanCache(tmp_path), may_keep_none=True)
         with pytest.raises(AssertionError, match="nothing to time"):  # no name: nothing stored for it
             choose_copy(*models(""), 3, PlanCache(tmp_path), may_keep_none=True)
+
+
+@pytest.mark.skipif(not native_ops_available(), reason="engine/cpu/_blocks was not built")
+def test_a_target_built_from_its_file_keeps_copy_auto_s_choice_and_the_next_start_reads_only_that_copy(
+    tmp_path, caplog, monkeypatch
+):
+    """As the server starts the embedded model: the target built from its GGUF file (every product
+    its blocks, no matmul plan to store), the draft a copy read from the file when copy:auto asks.
+    The first start times both copies and stores its choice; the next reads it back, times nothing
+    and reads only the copy it keeps (none: no copy at all, the memory a target-only server needs)."""
+    import engine.cpu.matmul as matmul_module
+
+    monkeypatch.setattr(matmul_module, "UNDISTURBED_SHARE", 0.0)  # storing is tested here, whatever the host's load
+    path = tmp_path / "tiny.gguf"
+    write_model(path, "llama", 64, 4, 2, tied=True)
+    config = EngineConfig(draft="copy:auto", device="cpu", max_model_len=128, plan_cache=str(tmp_path / "plans"))
+
+    def start() -> tuple[str | None, int]:
+        """What the engine says its draft is, and how many copies were read from the file."""
+        file = GGUFFile(path)
+        target, blocks = read_gguf_target(file)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="engine"):
+            engine = build_engine(config, target, CopySource(path, config.draft), set(), None, path, blocks)
+        return engine.config.draft, caplog.text.count("loaded draft copy:auto: ")
+
+    kept, reads = start()
+    assert "copy:auto: timing a bfloat16 and an int8 copy" in caplog.text
+    assert reads == (3 if kept == "copy:bfloat16" else 2)
+    assert len(list((tmp_path / "plans").glob("copy-auto-*.json"))) == 1
+    again, reads = start()
+    assert "(stored, measured " in caplog.text and "timing a bfloat16" not in caplog.text
+    assert again == kept and reads == (kept is not None)

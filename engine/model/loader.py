@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import DTYPES, ConfigError, EngineConfig, dtype_name, torch_dtype_of
+from ..config import COPY_AUTO, DTYPES, ConfigError, EngineConfig, dtype_name, torch_dtype_of
 from ..cpu.blocks import FileTensors, native_ops_available
 from ..cpu.gguf_file import GGUFFile
 from ..cpu.memory import release_freed_memory
@@ -53,10 +53,27 @@ class VocabularyMismatch(ConfigError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class CopySource:
+    """A bfloat16 copy of the target not yet read: read from the target's GGUF file at each ``read``.
+    ``copy:auto`` reads one only for what it times or keeps, so a start whose stored choice is none
+    reads none (engine/measure.py). It holds the file's path, not the open file, whose metadata
+    (the tokenizer's vocabulary and merges: 53 MB for the embedded model) would stay held with it."""
+
+    path: Path
+    name: str  # the draft ref, "copy:auto"
+
+    def read(self) -> torch.nn.Module:
+        started = time.perf_counter()
+        draft = read_gguf_target(GGUFFile(self.path), torch.bfloat16)[0]
+        log.info("loaded draft %s: %s in %.1f s", self.name, describe(draft), time.perf_counter() - started)
+        return draft
+
+
 @dataclass(slots=True)
 class LoadedModels:
     target: torch.nn.Module
-    draft: torch.nn.Module | None
+    draft: torch.nn.Module | CopySource | None
     tokenizer: PreTrainedTokenizerBase
     target_name: str
     target_file: Path | None = None  # the GGUF file the target was read from, if it was
@@ -202,7 +219,10 @@ def load(
     if config.draft is not None and config.draft_copy is None:
         check_same_vocabulary(tokenizer, load_tokenizer(config.draft))
     draft = load_draft(config, target, file)
-    progress("draft none" if draft is None else f"draft {describe(draft)}")
+    if isinstance(draft, CopySource):
+        progress(f"draft {config.draft}, read once its choice is made")
+    else:
+        progress("draft none" if draft is None else f"draft {describe(draft)}")
     name = EMBEDDED_NAME if config.target is None else config.target
     return LoadedModels(target, draft, tokenizer, name, target_file, where, blocks)
 
@@ -223,14 +243,18 @@ def direct_target(config: EngineConfig, target_file: Path | None) -> GGUFFile | 
     return file
 
 
-def load_draft(config: EngineConfig, target: torch.nn.Module, file: GGUFFile | None = None) -> torch.nn.Module | None:
+def load_draft(
+    config: EngineConfig, target: torch.nn.Module, file: GGUFFile | None = None
+) -> torch.nn.Module | CopySource | None:
     """The draft ``config`` names: a copy of ``target`` in another form (from ``file`` where the
-    target was built from it: it holds no floating-point products to convert), a model of its
-    own, or none."""
+    target was built from it: it holds no floating-point products to convert; copy:auto's is read
+    there once its choice is made), a model of its own, or none."""
     if config.draft is None:
         return None
     if config.draft_copy is None:
         return load_model(config.draft, config.torch_device, config.torch_dtype)
+    if config.draft_copy == COPY_AUTO and file is not None:
+        return CopySource(file.path, config.draft)
     # an int8 copy (or copy:auto, which may become one) starts as a bfloat16 one; build_engine
     # quantizes its products' weights
     dtype = torch_dtype_of(config.draft_copy if config.draft_copy in DTYPES else "bfloat16")
