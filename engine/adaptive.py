@@ -11,12 +11,15 @@ distribution is unchanged.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import statistics
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.1  # weight of the newest observation in the running averages
 PROBE_EVERY = 16  # while plain decoding wins, still draft once in a while to keep alpha current
 ALPHA_PRIOR = 0.7
+ROW_READINGS = 15  # the latest per-row verify costs between consecutive live steps kept (StepCosts)
+MIN_ROW_READINGS = 5  # how many it takes to replace the start-up line's slope
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -34,8 +37,15 @@ class StepCosts:
     """What a step costs on this host: seconds per drafted token, and per verify pass by k.
 
     Verify costs come either from steps alone, one running average per k, or from a line over k
-    timed at start-up (``expect``) that live steps then move as a whole: every step, whatever its
-    k, updates one shift shared by all k. A k the policy seldom picks is then priced from what the
+    timed at start-up (``expect``) that live steps then correct as a whole: its level by one shift
+    shared by all k (every step, whatever its k, updates it), its slope by the median of the last
+    ROW_READINGS slopes between consecutive steps of different k. Start-up times a verify over a
+    context of a few tokens; over a real one each row also attends to every cached token, so a row
+    costs more (here 0.96 ms a row at start-up, 1.25 at 200 cached tokens, 2.0 at 1,600), and with
+    the start-up slope the steps that drafted pushed the shared shift, and with it the price of a
+    plain step, up by what their rows cost more: drafting looked cheaper than it was. Consecutive
+    steps read nearly the same context, and a median is not moved by one slow reading (a busy
+    host), as a least-squares slope would be. A k the policy seldom picks is priced from what the
     others measure, and one slow reading cannot keep its k from being tried again."""
 
     draft: float | None = None
@@ -43,6 +53,10 @@ class StepCosts:
     shift: float | None = None  # what live steps add to the start-up line; None: no line, or no step yet
     from_line: bool = False  # verify holds a start-up line
     provisional_draft: bool = False  # draft was timed at start-up: the first live measure replaces it
+    row: float | None = None  # seconds per verify row live steps show: the line's slope until they do
+    row_readings: deque = field(default_factory=lambda: deque(maxlen=ROW_READINGS))
+    last: tuple[int, float] | None = None  # the last live step over a start-up line: (k, seconds)
+    mean_k: float | None = None  # the k of the live steps the shift was learned from, on average
 
     def expect(self, draft: float | None = None, verify: dict[int, float] | None = None) -> None:
         """Start-up timings, for what has no live measurement yet: the first request then need not
@@ -54,7 +68,16 @@ class StepCosts:
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
         if self.from_line and k in self.verify:
-            self.shift = _update(self.shift, verify_seconds - self.verify[k])
+            if self.last is not None and self.last[0] != k:
+                self.row_readings.append((verify_seconds - self.last[1]) / (k - self.last[0]))
+                if len(self.row_readings) >= MIN_ROW_READINGS:
+                    row = max(statistics.median(self.row_readings), 0.0)
+                    if self.shift is not None:  # the same price as before at the k the shift was learned at
+                        self.shift -= (row - self._slope()) * self.mean_k
+                    self.row = row
+            self.last = (k, verify_seconds)
+            self.shift = _update(self.shift, verify_seconds - self._line(k))
+            self.mean_k = _update(self.mean_k, float(k))
         else:
             self.verify[k] = _update(self.verify.get(k), verify_seconds)
         if k > 0:
@@ -62,13 +85,26 @@ class StepCosts:
             self.draft = draft_seconds / k if self.provisional_draft else _update(self.draft, draft_seconds / k)
             self.provisional_draft = False
 
+    def _slope(self) -> float:
+        """Seconds per verify row: what live steps show, else the start-up line's slope."""
+        if self.row is not None:
+            return self.row
+        most = max(self.verify)
+        return (self.verify[most] - self.verify[0]) / most if most else 0.0
+
+    def _line(self, k: int) -> float:
+        """The start-up line at k, at the slope live steps show once they show one."""
+        return self.verify[k] if self.row is None else self.verify[0] + self.row * k
+
     def knows(self, k: int) -> bool:
         return k in self.verify
 
     def verify_cost(self, k: int) -> float:
         """The cost at k, or at the nearest k with one, plus the live shift of a start-up line."""
         nearest = k if k in self.verify else min(self.verify, key=lambda measured: abs(measured - k))
-        return max(self.verify[nearest] + (self.shift or 0.0), 1e-9)
+        if not self.from_line:
+            return max(self.verify[nearest], 1e-9)
+        return max(self._line(nearest) + (self.shift or 0.0), 1e-9)
 
     def tokens_per_second(self, alpha: float, k: int) -> float:
         return expected_tokens(alpha, k) / (k * (self.draft or 0.0) + self.verify_cost(k))

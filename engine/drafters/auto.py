@@ -61,6 +61,9 @@ HORIZON = 64  # tokens over which a candidate's catch-up is paid back
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 PROBE_ALPHA = 0.5  # the acceptance at which an unused draft model is probed after probe_every steps
 RARELY = 8  # how many times longer a draft model that cannot pay here goes unprobed
+# the most a probe may spend catching up, in plain steps: the head's read of a code answer's 245
+# positions (17 ms, most of a plain step) probed it at the end of every code answer here, 3% of one
+PROBE_CATCH_UP = 0.25
 
 
 class AutoDrafter(Drafter):
@@ -337,7 +340,8 @@ class AutoDrafter(Drafter):
             most = max(request.priors.get(name, ALPHA_PRIOR), self._alpha(name))
             hopeless = not costs.provisional_draft and not beats_plain(most, limit, costs, self.verify)
             unused = (request.step - request.last_tried.get(name, 0)) * self._alpha(name)
-            if name != best[0] and unused > due * (RARELY if hopeless else 1) and catch_up[name] <= plain_step:
+            cheap = catch_up[name] <= PROBE_CATCH_UP * plain_step
+            if name != best[0] and unused > due * (RARELY if hopeless else 1) and cheap:
                 return name, 1
         return best
 

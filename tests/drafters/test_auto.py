@@ -179,7 +179,11 @@ def test_probes_take_a_draft_model_unused_lately_with_one_token_and_never_a_text
     assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 4)
     auto._request.alpha["model"] = 0.4
     auto._request.last_tried["model"] = 475  # 25 steps at acceptance 0.4 make it due (20 at 0.5)
+    auto.catch_up["model"] = 0.002  # its three unread positions: a fifth of a plain step
     assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("model", 1)  # a probe, one token, for a plain step
+    auto.catch_up["model"] = 0.004  # 12 ms of a 30 ms plain step: a probe catches up a quarter at most
+    assert auto._choose([1, 2, 3], 4, offer(3, 2)) == (None, 0)
+    auto.catch_up["model"] = 0.002
     auto._request.alpha["suffix@2"] = 0.95
     assert auto._choose([1, 2, 3], 4, offer(3, 2)) == ("suffix", 3)  # a text match that wins: no detour
     auto._request.alpha["suffix@2"] = 0.05
@@ -363,6 +367,29 @@ def test_live_verify_timings_move_the_start_up_line_as_a_whole():
     plain.observe(0, 0.0, 0.05)
     plain.observe(3, 0.3, 0.07)
     assert (plain.verify_cost(0), plain.verify_cost(3), plain.verify_cost(4)) == (0.05, 0.07, 0.07)
+
+
+def test_live_steps_replace_the_start_up_lines_slope_with_the_one_they_show():
+    """Start-up times a verify on a context of a few tokens; over a long one each row costs more.
+    Consecutive steps of different k show the slope (their median, so one slow reading does not
+    tilt it), and the shift keeps the price at the k it was learned at: a plain step is no longer
+    priced at what the drafting steps' extra rows added (here 4 ms too high, 2 ms after 10 steps)."""
+    costs = StepCosts()
+    costs.expect(verify={k: 0.018 + 0.001 * k for k in range(5)})  # start-up: 1 ms a row
+
+    def true_cost(k: int) -> float:  # a long context: 6 ms more a step, 2 ms a row
+        return 0.024 + 0.002 * k
+
+    steps = [4, 2, 4, 0, 3, 4, 1, 4, 2, 4, 0, 4]
+    for k in steps[:3]:
+        costs.observe(k, 0.0, true_cost(k))
+    assert costs.verify_cost(0) - true_cost(0) > 0.003  # the start-up slope: plain steps priced high
+    for k in steps[3:]:
+        costs.observe(k, 0.0, true_cost(k))
+    assert costs.verify_cost(4) - costs.verify_cost(3) == pytest.approx(0.002)
+    assert all(abs(costs.verify_cost(k) - true_cost(k)) < 0.001 for k in range(5))
+    costs.observe(1, 0.0, 0.300)  # one outlier (a busy host): two slope readings of many
+    assert costs.verify_cost(4) - costs.verify_cost(3) == pytest.approx(0.002)
 
 
 def test_a_requests_first_verify_which_reads_the_prompt_is_not_timed():

@@ -1,0 +1,105 @@
+"""Study: does auto gain from the verify slope its live steps show, and from probing only draft models with little to catch up? Answer: docs/drafters.md#verify-slope-learned-live.
+
+Two engines of the embedded default in this process: one prices a verify on start-up's line moved
+only in level (``MIN_ROW_READINGS`` out of reach) and probes a draft model whose catch-up costs up to
+a whole plain step (``PROBE_CATCH_UP`` 1), as before; the other as shipped. ``suffix`` alone (on
+the second engine) is the reference. The three take turns request by request over the first turn
+of every prompt of bench/prompts.yaml, greedy and at temperature 0.8 (seeded, a new seed each
+round), 96 tokens, each request its own scope. The module constants are switched around each
+request; each engine keeps its own live costs, so neither learns from the other's steps.
+
+    .venv/bin/python bench/studies/verify_slope.py [--rounds 3] [--cases code@0.0,long@0.8]
+
+Writes the entry "verify slope A/B" of bench/results/auto_overhead.json: median decode tokens/s
+(after the first token) by case, and each configuration over the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import engine.adaptive as adaptive  # noqa: E402
+import engine.drafters.auto as auto_module  # noqa: E402
+from bench.host import host  # noqa: E402
+from bench.runners import EngineRunner, chat_ids  # noqa: E402
+from bench.studies.auto_overhead import RESULTS, TEMPERATURES, bench_prompts  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.factory import load_engine  # noqa: E402
+
+SHIPPED = {"MIN_ROW_READINGS": adaptive.MIN_ROW_READINGS, "PROBE_CATCH_UP": auto_module.PROBE_CATCH_UP}
+BEFORE = {"MIN_ROW_READINGS": 10**9, "PROBE_CATCH_UP": 1.0}
+
+
+def use(constants: dict[str, float]) -> None:
+    adaptive.MIN_ROW_READINGS = constants["MIN_ROW_READINGS"]
+    auto_module.PROBE_CATCH_UP = constants["PROBE_CATCH_UP"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cases", default="", help="e.g. code@0.0,long@0.8 (default: every type at both temperatures)")
+    args = parser.parse_args()
+    before, shipped = (load_engine(EngineConfig(), show_progress=False) for _ in range(2))
+    runners = {"before": EngineRunner(before.engine), "shipped": EngineRunner(shipped.engine)}
+    # (name, engine's runner, constants, drafter), in the order they take turns
+    configurations = [("suffix", "shipped", SHIPPED, "suffix"), ("before", "before", BEFORE, "auto")]
+    configurations.append(("shipped", "shipped", SHIPPED, "auto"))
+    wanted = set(filter(None, args.cases.split(",")))
+    rates: dict[str, dict[str, list[float]]] = {}
+    for round_index in range(args.rounds):
+        for index, (kind, messages) in enumerate(bench_prompts()):
+            prompt = chat_ids(shipped.tokenizer, messages)
+            for temperature in TEMPERATURES:
+                case = f"{kind}@{temperature}"
+                if wanted and case not in wanted:
+                    continue
+                sampling = {"temperature": temperature, "seed": 11 + round_index} if temperature else None
+                for name, runner, constants, drafter in configurations:
+                    use(constants)
+                    run = runners[runner].run(drafter, False, prompt, 96, f"{index}{case}{name}{round_index}", sampling)
+                    times = run.token_times
+                    rates.setdefault(case, {}).setdefault(name, []).append((len(times) - 1) / (times[-1] - times[0]))
+    use(SHIPPED)
+    table = {}
+    for case, by_name in rates.items():
+        median = {name: statistics.median(values) for name, values in by_name.items()}
+        table[case] = {
+            "tokens_per_s": {name: round(value, 1) for name, value in median.items()},
+            "before_over_suffix": round(median["before"] / median["suffix"], 3),
+            "shipped_over_suffix": round(median["shipped"] / median["suffix"], 3),
+            "shipped_over_before": round(median["shipped"] / median["before"], 3),
+        }
+        print(case, {key: value for key, value in table[case].items() if key != "tokens_per_s"})
+    ratios = [key for key in next(iter(table.values())) if key != "tokens_per_s"]
+    summary = {
+        key: {
+            "geometric_mean": round(math.exp(statistics.fmean(math.log(row[key]) for row in table.values())), 3),
+            "least": min(row[key] for row in table.values()),
+        }
+        for key in ratios
+    }
+    print(summary)
+    path = RESULTS / "auto_overhead.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    report["verify slope A/B" + (f", {args.cases}" if args.cases else "")] = {
+        "host": host(),
+        "model": "embedded SmolLM2-135M-Instruct on its GGUF blocks, float32 activations, in process, two engines",
+        "rounds": args.rounds,
+        "scopes": "one per request",
+        "max_tokens": 96,
+        "results": table,
+        "summary": summary,
+    }
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
