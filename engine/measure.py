@@ -122,8 +122,7 @@ def choose_copy(
     alone = read_seconds(target, 1, repeats=3)
     per_row = extra_row_seconds(target, most + 1, alone, 2, scored=True)  # a verify of k drafts: alone + k * per_row
     rates, found, agreements = {"none": 1 / alone}, {}, {}
-    model = None
-    for form in ("bfloat16", "int8"):  # int8 last: the copy kept where it wins (on CPUs with VNNI, mostly)
+    for form in ("bfloat16", "int8"):  # int8 last: where it wins, the copy timed is the one kept
         model = None  # the copy timed before, let go before the next is read
         release_freed_memory()
         model = _kept_copy(form, read_copy, max_rows, cache)
