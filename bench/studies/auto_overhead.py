@@ -4,7 +4,7 @@ The embedded default in this process (no HTTP), each request its own scope, so n
 from another: target-only, ``suffix``, ``eagle3``, ``model`` (when a draft copy is kept) and
 ``auto``, taking turns request by request, on a chat answer, open prose and a summary that reuses
 its passage's wording, greedy and at temperature 0.8 (seeded, a new seed each round), 96 tokens.
-Reports decode tokens/s (after the first token) by configuration, each over target-only,
+Reports decode tokens/s (after the first arrival: ``Run.decode_tokens_per_s``) by configuration, each over target-only,
 auto's steps by drafter, and what auto itself spends a step (``OwnTime``): asking the text
 matchers for their offers (which ``suffix`` alone pays too), choosing, and its bookkeeping after
 the verify (its candidates' own ``accept`` left out).
@@ -114,8 +114,7 @@ def main() -> None:
                 for drafter in drafters:  # taking turns, request by request
                     scope = f"{drafter}{round_index}" if args.one_scope else f"{index}{case}{drafter}{round_index}"
                     run = runner.run(drafter, False, prompt, args.max_tokens, scope, sampling)
-                    times = run.token_times
-                    rates.setdefault(case, {}).setdefault(drafter, []).append((len(times) - 1) / (times[-1] - times[0]))
+                    rates.setdefault(case, {}).setdefault(drafter, []).append(run.decode_tokens_per_s)
                     if drafter == "auto":
                         for name, count in run.steps_by_drafter.items():
                             steps.setdefault(case, {})[name] = steps.get(case, {}).get(name, 0) + count

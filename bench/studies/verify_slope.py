@@ -11,7 +11,7 @@ request; each engine keeps its own live costs, so neither learns from the other'
     .venv/bin/python bench/studies/verify_slope.py [--rounds 3] [--cases code@0.0,long@0.8]
 
 Writes the entry "verify slope A/B" of bench/results/auto_overhead.json: median decode tokens/s
-(after the first token) by case, and each configuration over the others.
+(after the first arrival: ``Run.decode_tokens_per_s``) by case, and each configuration over the others.
 """
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ def main() -> None:
                 for name, runner, constants, drafter in configurations:
                     use(constants)
                     run = runners[runner].run(drafter, False, prompt, 96, f"{index}{case}{name}{round_index}", sampling)
-                    times = run.token_times
-                    rates.setdefault(case, {}).setdefault(name, []).append((len(times) - 1) / (times[-1] - times[0]))
+                    rates.setdefault(case, {}).setdefault(name, []).append(run.decode_tokens_per_s)
     use(SHIPPED)
     table = {}
     for case, by_name in rates.items():
