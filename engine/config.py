@@ -138,6 +138,15 @@ class EngineConfig:
         return self.draft[len(COPY_PREFIX) :]
 
     @property
+    def drafts_with_model(self) -> str:
+        """What the start-up drafter does with a draft model: "needs" one ("model", a staged chain
+        with a model stage), "may" use one ("auto", where its measured cost pays) or "never" does
+        (the rest: copy:auto then reads no copy)."""
+        if self.drafter == "model" or (self.drafter == "staged" and "model" in self.stages):
+            return "needs"
+        return "may" if self.drafter == "auto" else "never"
+
+    @property
     def draft_reads_target_kv(self) -> bool:
         if self.draft_kv == "auto":
             return self.draft_copy is not None

@@ -121,16 +121,18 @@ def build_engine(
     release_freed_memory()
     target.use_kernels(config.kernel_mode, config.compile_backend)  # before copy:auto times it
     draft, measured_agreement = None, None
-    if draft_model is not None and config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
+    if draft_model is None:
+        config = replace(config, draft=None)  # copy:auto read none (load_draft)
+    elif config.draft_copy == COPY_AUTO:  # measured here: bfloat16 or int8 rows
         read = copy_reader(draft_model, target.device)
         cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
         draft, form, measured_agreement = choose_copy(
-            target, lambda: CausalLM(read(), max_len), config.num_draft_tokens, cache, runs_without_draft(config)
+            target, lambda: CausalLM(read(), max_len), config.num_draft_tokens, cache, config.drafts_with_model == "may"
         )
         config = replace(config, draft=None if draft is None else COPY_PREFIX + form)
         del draft_model, read  # a model copied from: the copy kept (or none) is what the engine holds
         release_freed_memory()
-    elif draft_model is not None:
+    else:
         draft = CausalLM(draft_model, max_len)
         if config.draft_copy == COPY_INT8:
             draft.weights.quantize_int8()
@@ -153,12 +155,6 @@ def copy_reader(draft_model: torch.nn.Module | CopySource, device: torch.device)
     if isinstance(draft_model, CopySource):
         return draft_model.read
     return partial(copy.deepcopy, draft_model) if device.type == "cpu" else lambda: draft_model
-
-
-def runs_without_draft(config: EngineConfig) -> bool:
-    """Whether the start-up drafter can run without a draft model (all but "model" and a staged
-    chain with a model stage): copy:auto may then keep none, where no copy promises to pay here."""
-    return config.drafter != "model" and not (config.drafter == "staged" and "model" in config.stages)
 
 
 def check_memory(engine: SpecEngine) -> None:

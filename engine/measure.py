@@ -99,8 +99,9 @@ def choose_copy(
     the target alone decodes: a copy that cannot pay only costs memory and auto's probes. Off CPU
     (no int8 kernel there) the bfloat16 copy, unmeasured. Returns the chosen model (None: none),
     what it is ("bfloat16", "int8" or "none"), and its measured agreement with the target (None: not
-    measured). ``read_copy`` gives a fresh bfloat16 copy at each call; one is read only to be timed
-    or kept, and the copies are timed one at a time, so start-up never holds two.
+    measured). ``read_copy`` gives a fresh bfloat16 copy at each call: one is read to be timed, then
+    quantized in place and timed as int8 rows (start-up never holds two copies), and read again
+    only where the bfloat16 one is kept.
     With a ``cache``, the choice is stored under the host and the target's weights (unless timed on
     a busy host) and read back at the next start of the same model on this host, which then times
     nothing and reads only the copy it keeps (none: nothing): the choice holds between starts, as
@@ -122,10 +123,11 @@ def choose_copy(
     alone = read_seconds(target, 1, repeats=3)
     per_row = extra_row_seconds(target, most + 1, alone, 2, scored=True)  # a verify of k drafts: alone + k * per_row
     rates, found, agreements = {"none": 1 / alone}, {}, {}
+    model = _kept_copy("bfloat16", read_copy, max_rows, cache)
     for form in ("bfloat16", "int8"):  # int8 last: where it wins, the copy timed is the one kept
-        model = None  # the copy timed before, let go before the next is read
-        release_freed_memory()
-        model = _kept_copy(form, read_copy, max_rows, cache)
+        if form == "int8":  # the bfloat16 copy just timed becomes the int8 one, product by product
+            model.weights.quantize_int8()
+            release_freed_memory()
         read_seconds(model, 1, repeats=1)  # first-call costs
         step, agreements[form] = read_seconds(model, 1, repeats=3), agreement(model, target)
         rates[form], k = max(

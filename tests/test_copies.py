@@ -16,7 +16,7 @@ from engine.cpu.gguf_file import GGUFFile
 from engine.factory import build_engine, warm_up
 from engine.measure import KEEP_MARGIN, choose_copy
 from engine.model.from_gguf import read_gguf_target
-from engine.model.loader import CopySource, converted_copy
+from engine.model.loader import CopySource, converted_copy, load_draft
 from engine.model.model import CausalLM
 from engine.model.weights import Int8Weight
 from engine.request import Request
@@ -29,6 +29,9 @@ def test_int8_rows_hold_each_weight_within_half_a_step_of_its_row_scale():
     weight = torch.randn(300, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # [O, I]
     weight[7] = 0  # an all-zero row must not divide by zero
     quantized = Int8Weight.quantize(weight, block_rows=128)  # three blocks, the last one short
+    as_float = weight.float()  # [O, I]
+    Int8Weight.quantize(as_float, block_rows=128)
+    assert torch.equal(as_float, weight.float())  # rounded in place, but in a copy of the rows
     assert quantized.values.dtype == torch.int8 and quantized.scales.shape == (300,)
     scales = quantized.scales.float()[:, None]  # [O, 1]
     restored = quantized.values.float() * scales  # [O, I]
@@ -79,6 +82,35 @@ def test_a_copy_names_one_of_the_forms():
     assert EngineConfig(draft="some/model").draft_copy is None
 
 
+def test_copy_auto_reads_no_copy_under_a_start_up_drafter_that_never_drafts_with_one(tmp_path, caplog):
+    """A target-only server (--drafter none), or one drafting by text or heads, reads no copy and
+    times none: the start-up memory is the target's alone, and a request naming "model" is refused."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path, "llama", 64, 4, 2, tied=True)
+    file = GGUFFile(path)
+    target, blocks = read_gguf_target(file)
+    for drafter, drafts in (("none", "never"), ("suffix", "never"), ("auto", "may"), ("model", "needs")):
+        config = EngineConfig(draft="copy:auto", drafter=drafter, device="cpu", max_model_len=128)
+        assert config.drafts_with_model == drafts
+        assert isinstance(load_draft(config, target, file), CopySource) == (drafts != "never")
+    assert EngineConfig(drafter="staged", stages=("ngram", "model")).drafts_with_model == "needs"
+    assert EngineConfig(drafter="staged", stages=("ngram", "suffix")).drafts_with_model == "never"
+    with caplog.at_level(logging.INFO, logger="engine"):
+        engine = build_engine(
+            config_none := EngineConfig(draft="copy:auto", drafter="none", device="cpu", max_model_len=128),
+            target,
+            None,
+            set(),
+            None,
+            path,
+            blocks,
+        )
+    assert config_none.draft == "copy:auto" and engine.config.draft is None and engine.draft is None
+    assert "timing a bfloat16" not in caplog.text
+    with pytest.raises(ConfigError, match="'model' drafter needs a draft model"):
+        engine.drafter("model")
+
+
 def copies_of(hf_model: torch.nn.Module, reads: list | None = None) -> Callable[[], CausalLM]:
     """copy:auto's ``read_copy`` over an in-process model: a fresh bfloat16 copy at each call,
     each one noted in ``reads``."""
@@ -94,14 +126,14 @@ def copies_of(hf_model: torch.nn.Module, reads: list | None = None) -> Callable[
 
 def _chosen_copy(caplog, may_keep_none: bool) -> tuple[CausalLM | None, str, float | None, str, dict]:
     """copy:auto over a tiny target: what it returns, its log line, and the rates the line names.
-    It reads a copy for each form it times, and again only the bfloat16 one where that is kept."""
+    It reads one copy to time, as bfloat16 and then as int8 rows, and again only where bfloat16 is kept."""
     target, reads = CausalLM(tiny_llama(seed=5, vocab_size=64, init=0.2), max_len=64), []
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="engine.measure"):
         chosen, form, agreed = choose_copy(
             target, copies_of(target.hf_model, reads), num_draft_tokens=3, may_keep_none=may_keep_none
         )
-    assert len(reads) == (3 if form == "bfloat16" else 2) and (chosen is None or chosen is reads[-1])
+    assert len(reads) == (2 if form == "bfloat16" else 1) and (chosen is None or chosen is reads[-1])
     line = next(r.getMessage() for r in caplog.records if "copy:auto chose" in r.getMessage())
     rates = {name: float(rate) for name, rate in re.findall(r"(int8|bfloat16|none) \(.*?, ([\d.]+) tok/s", line)}
     return chosen, form, agreed, line, rates
@@ -194,7 +226,7 @@ def test_a_target_built_from_its_file_keeps_copy_auto_s_choice_and_the_next_star
 ):
     """As the server starts the embedded model: the target built from its GGUF file (every product
     its blocks, no matmul plan to store), the draft a copy read from the file when copy:auto asks.
-    The first start times both copies and stores its choice; the next reads it back, times nothing
+    The first start times a copy, as bfloat16 and as int8 rows, and stores its choice; the next reads it back, times nothing
     and reads only the copy it keeps (none: no copy at all, the memory a target-only server needs)."""
     import engine.cpu.matmul as matmul_module
 
@@ -214,7 +246,7 @@ def test_a_target_built_from_its_file_keeps_copy_auto_s_choice_and_the_next_star
 
     kept, reads = start()
     assert "copy:auto: timing a bfloat16 and an int8 copy" in caplog.text
-    assert reads == (3 if kept == "copy:bfloat16" else 2)
+    assert reads == (2 if kept == "copy:bfloat16" else 1)  # one timed as bfloat16, then as int8 rows
     assert len(list((tmp_path / "plans").glob("copy-auto-*.json"))) == 1
     again, reads = start()
     assert "(stored, measured " in caplog.text and "timing a bfloat16" not in caplog.text

@@ -248,11 +248,15 @@ def load_draft(
 ) -> torch.nn.Module | CopySource | None:
     """The draft ``config`` names: a copy of ``target`` in another form (from ``file`` where the
     target was built from it: it holds no floating-point products to convert; copy:auto's is read
-    there once its choice is made), a model of its own, or none."""
+    there once its choice is made), a model of its own, or none (copy:auto under a start-up drafter
+    that never drafts with a model: a request naming "model" there is refused)."""
     if config.draft is None:
         return None
     if config.draft_copy is None:
         return load_model(config.draft, config.torch_device, config.torch_dtype)
+    if config.draft_copy == COPY_AUTO and config.drafts_with_model == "never":
+        log.info("draft %s: none read, the start-up drafter %r drafts without one", config.draft, config.drafter)
+        return None
     if config.draft_copy == COPY_AUTO and file is not None:
         return CopySource(file.path, config.draft)
     # an int8 copy (or copy:auto, which may become one) starts as a bfloat16 one; build_engine
