@@ -24,7 +24,8 @@ A draft model that has not run lately must first read what it missed (at a reque
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
 (per token of a prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part
 of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long
-prompt is not prefilled into a draft that cannot win it back. (A draft that copies the target's
+prompt is not prefilled into a draft that cannot win it back; times the faded share of steps text
+matching left to others, since the draft will run only on those. (A draft that copies the target's
 keys and values, ``draft_kv``, has nothing to catch up on.) Where the step's best is another, a
 draft model unused for a while (``probe_every`` steps at acceptance 0.5; longer below, sooner above)
 drafts one token; one whose live-timed step could not beat plain decoding at any k even at the most
@@ -57,13 +58,11 @@ from .eagle3 import head_drafter
 from .registry import build, register
 
 PRIOR_WEIGHT = 0.3  # how much one finished request moves a prior
-HORIZON = 64  # tokens over which a candidate's catch-up is paid back
+HORIZON = 64  # tokens over which a candidate's catch-up is paid back, where text matching takes no steps
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 PROBE_ALPHA = 0.5  # the acceptance at which an unused draft model is probed after probe_every steps
 RARELY = 8  # how many times longer a draft model that cannot pay here goes unprobed
-# the most a probe may spend catching up, in plain steps: the head's read of a code answer's 245
-# positions (17 ms, most of a plain step) probed it at the end of every code answer here, 3% of one
-PROBE_CATCH_UP = 0.25
+PROBE_CATCH_UP = 0.25  # the most a probe may spend catching up, in plain steps (docs/drafters.md)
 
 
 class AutoDrafter(Drafter):
@@ -137,6 +136,7 @@ class AutoDrafter(Drafter):
             paced_tokens, paced_seconds = request.text_pace
             request.text_pace = (PACE_DECAY * paced_tokens + tokens, PACE_DECAY * paced_seconds + seconds)
         name, k = self._choose(token_ids, num_draft_tokens, offers)
+        request.note_step(name in offers)
         steady = request.last_tried.get(name) == request.step - 1
         choice = StepChoice(name, k, len(token_ids), steady=steady, lag=self._lag(name, token_ids) or 0)
         started = time.perf_counter()
@@ -316,6 +316,7 @@ class AutoDrafter(Drafter):
         if not self.verify.knows(0):
             return None, 0  # and plain decoding once
         catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.draft_costs}
+        horizon = HORIZON * max(request.left_by_text, 1 / HORIZON)  # the tokens it is paid back over
         # A draft model's step must beat text matching's pace over the last few steps, not only this
         # step's offer: where the text repeats, a plain step reaches the next match sooner.
         best, tokens, seconds = self._text_step(offers)  # or a plain step
@@ -324,7 +325,7 @@ class AutoDrafter(Drafter):
         for name, costs in self.draft_costs.items():
             for k in range(1, limit + 1):
                 tokens = self._tokens(name, k)
-                seconds = k * costs.draft + self.verify.verify_cost(k) + catch_up[name] * tokens / HORIZON
+                seconds = k * costs.draft + self.verify.verify_cost(k) + catch_up[name] * tokens / horizon
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
         # Probes keep a draft model's acceptance current (text matching needs none: ``_score_declined``)

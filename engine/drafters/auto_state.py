@@ -12,6 +12,7 @@ PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of e
 # more: its acceptance moves less along a request than a text match's, which holds or breaks with the text
 MODEL_PRIOR_TOKENS = 8.0
 EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
+LEFT_PRIOR_STEPS = 2.0  # a request starts as if text matching had left two steps to others
 # A text match's acceptance before any request ran, by the length of the match its proposal
 # continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
 # tokens or more, in chat as in code). A draft model's is ALPHA_PRIOR until start-up measures it.
@@ -61,7 +62,21 @@ class RequestState:
     # text offers the step did not take, (position, first drafted token, track): the tokens committed
     # next say whether that draft would have passed (``AutoDrafter._score_declined``)
     declined: list[tuple[int, int, str]] = field(default_factory=list)
+    # (steps a text match took, steps), older ones faded, from LEFT_PRIOR_STEPS it did not take: a
+    # draft model that catches up drafts only on the steps text matching leaves to others, so its
+    # catch-up is paid back over those
+    text_taken: tuple[float, float] = field(default_factory=lambda: (0.0, LEFT_PRIOR_STEPS))
     step: int = 0
+
+    def note_step(self, by_text: bool) -> None:
+        taken, steps = self.text_taken
+        self.text_taken = (EVIDENCE_DECAY * taken + by_text, EVIDENCE_DECAY * steps + 1)
+
+    @property
+    def left_by_text(self) -> float:
+        """The faded share of this request's steps text matching did not take (1 before any)."""
+        taken, steps = self.text_taken
+        return 1.0 - taken / steps
 
     def pool(self, tracks: list[str], accepted: int, prior_tokens: float = PRIOR_TOKENS) -> None:
         """One step's drafts, each on the track it was accepted on: the first ``accepted`` passed,

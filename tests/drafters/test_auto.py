@@ -61,6 +61,20 @@ def test_the_choice_follows_cost_and_acceptance():
     assert auto._choose(prompt, 0) == (None, 0)
 
 
+def test_a_catch_up_is_paid_back_over_the_steps_text_matching_leaves_to_others():
+    """A draft model that must read 300 tokens first pays that back over the next 64 tokens where
+    text matching takes no steps; where it took the recent ones, the model would draft only between
+    matches, so the same catch-up does not pay (a head read a 1,594-token document for two steps)."""
+    auto = priced_auto({0: 0.030, 1: 0.031, 2: 0.032, 3: 0.033, 4: 0.034}, 0.006, {"model": 0.9, "staged": 0.1})
+    auto.catch_up = {"model": 0.001, "staged": 0.001}  # 0.3 s for 300 tokens
+    context = [1] * 300
+    assert auto._request.left_by_text == 1.0 and auto._choose(context, 4)[0] == "model"
+    for by_text in (False, True, True, True, True, True, True, True):
+        auto._request.note_step(by_text)
+    assert auto._request.left_by_text < 0.25 and auto._choose(context, 4) == (None, 0)
+    assert auto._choose([1, 2, 3], 4)[0] == "model"  # nothing to catch up: the share does not matter
+
+
 def test_text_matching_is_judged_by_its_offer_and_the_length_of_its_match():
     """Its proposal is made before the choice: a long match wins the step, a one-token match (which
     seldom holds) or no match leaves it to the draft model, and a short offer is priced as short."""

@@ -1,17 +1,24 @@
-"""Study: does auto gain from the verify slope its live steps show, and from probing only draft models with little to catch up? Answer: docs/drafters.md#verify-slope-learned-live.
+"""Study: does a change to auto's pricing gain, against auto before it and its best candidate alone?
 
-Two engines of the embedded default in this process: one prices a verify on start-up's line moved
-only in level (``MIN_ROW_READINGS`` out of reach) and probes a draft model whose catch-up costs up to
-a whole plain step (``PROBE_CATCH_UP`` 1), as before; the other as shipped. ``suffix`` alone (on
-the second engine) is the reference. The three take turns request by request over the first turn
-of every prompt of bench/prompts.yaml, greedy and at temperature 0.8 (seeded, a new seed each
-round), 96 tokens, each request its own scope. The module constants are switched around each
-request; each engine keeps its own live costs, so neither learns from the other's steps.
+Two engines of the embedded default in this process: one runs auto as before the change (module
+constants set so the change has no effect), the other as shipped; ``suffix`` alone (on the second
+engine) is the reference. The three take turns request by request over the first turn of every
+prompt of bench/prompts.yaml, greedy and at temperature 0.8 (seeded, a new seed each round), 96
+tokens, each request its own scope. The constants are switched around each request; each engine
+keeps its own live costs, so neither learns from the other's steps. Changes (``--change``):
 
-    .venv/bin/python bench/studies/verify_slope.py [--rounds 3] [--cases code@0.0,long@0.8]
+- ``verify-slope``: the verify slope live steps show (``MIN_ROW_READINGS`` out of reach before) and
+  probes only of draft models with little to catch up (``PROBE_CATCH_UP`` 1 before, a whole plain
+  step). Answer: docs/drafters.md#verify-slope-learned-live.
+- ``text-share``: a draft model's catch-up paid back over the share of steps text matching leaves
+  to others (``LEFT_PRIOR_STEPS`` out of reach before: always all 64 tokens). Answer:
+  docs/drafters.md#catch-up-over-the-steps-text-matching-leaves.
 
-Writes the entry "verify slope A/B" of bench/results/auto_overhead.json: median decode tokens/s
-(after the first arrival: ``Run.decode_tokens_per_s``) by case, and each configuration over the others.
+    .venv/bin/python bench/studies/auto_ab.py --change text-share [--rounds 3] [--cases code@0.0,long@0.8]
+
+Writes the change's entry ("verify slope A/B", "text share A/B") of bench/results/auto_overhead.json:
+median decode tokens/s (after the first arrival: ``Run.decode_tokens_per_s``) by case, and each
+configuration over the others.
 """
 
 from __future__ import annotations
@@ -27,30 +34,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import engine.adaptive as adaptive  # noqa: E402
 import engine.drafters.auto as auto_module  # noqa: E402
+import engine.drafters.auto_state as auto_state  # noqa: E402
 from bench.host import host  # noqa: E402
 from bench.runners import EngineRunner, chat_ids  # noqa: E402
 from bench.studies.auto_overhead import RESULTS, TEMPERATURES, bench_prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
 
-SHIPPED = {"MIN_ROW_READINGS": adaptive.MIN_ROW_READINGS, "PROBE_CATCH_UP": auto_module.PROBE_CATCH_UP}
-BEFORE = {"MIN_ROW_READINGS": 10**9, "PROBE_CATCH_UP": 1.0}
+# where each constant lives, and its value as shipped
+SHIPPED = {
+    (adaptive, "MIN_ROW_READINGS"): adaptive.MIN_ROW_READINGS,
+    (auto_module, "PROBE_CATCH_UP"): auto_module.PROBE_CATCH_UP,
+    (auto_state, "LEFT_PRIOR_STEPS"): auto_state.LEFT_PRIOR_STEPS,
+}
+CHANGES = {  # what each change's "before" sets, and the entry it writes
+    "verify-slope": ("verify slope A/B", {(adaptive, "MIN_ROW_READINGS"): 10**9, (auto_module, "PROBE_CATCH_UP"): 1.0}),
+    "text-share": ("text share A/B", {(auto_state, "LEFT_PRIOR_STEPS"): 1e12}),
+}
 
 
-def use(constants: dict[str, float]) -> None:
-    adaptive.MIN_ROW_READINGS = constants["MIN_ROW_READINGS"]
-    auto_module.PROBE_CATCH_UP = constants["PROBE_CATCH_UP"]
+def use(constants: dict) -> None:
+    for (module, name), value in constants.items():
+        setattr(module, name, value)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--change", choices=sorted(CHANGES), default="verify-slope")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default="", help="e.g. code@0.0,long@0.8 (default: every type at both temperatures)")
     args = parser.parse_args()
+    entry, changed = CHANGES[args.change]
+    before_constants = SHIPPED | changed
     before, shipped = (load_engine(EngineConfig(), show_progress=False) for _ in range(2))
     runners = {"before": EngineRunner(before.engine), "shipped": EngineRunner(shipped.engine)}
     # (name, engine's runner, constants, drafter), in the order they take turns
-    configurations = [("suffix", "shipped", SHIPPED, "suffix"), ("before", "before", BEFORE, "auto")]
+    configurations = [("suffix", "shipped", SHIPPED, "suffix"), ("before", "before", before_constants, "auto")]
     configurations.append(("shipped", "shipped", SHIPPED, "auto"))
     wanted = set(filter(None, args.cases.split(",")))
     rates: dict[str, dict[str, list[float]]] = {}
@@ -88,7 +107,7 @@ def main() -> None:
     print(summary)
     path = RESULTS / "auto_overhead.json"
     report = json.loads(path.read_text()) if path.exists() else {}
-    report["verify slope A/B" + (f", {args.cases}" if args.cases else "")] = {
+    report[entry + (f", {args.cases}" if args.cases else "")] = {
         "host": host(),
         "model": "embedded SmolLM2-135M-Instruct on its GGUF blocks, float32 activations, in process, two engines",
         "rounds": args.rounds,
