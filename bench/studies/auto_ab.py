@@ -1,12 +1,11 @@
 """Study: does a change to auto's pricing gain, against auto before it and its best candidate alone?
 
 Two engines of the embedded default in this process: one runs auto as before the change (module
-constants set so the change has no effect), the other as shipped; ``suffix`` and ``ngram`` alone (on
-the second engine) are the references. They take turns request by request over the first turn of
-every prompt of bench/prompts.yaml, greedy and at temperature 0.8 (seeded, a new seed each round),
-96 tokens, each request its own scope. The constants are switched around each request (and before
-each engine is built); each engine keeps its own live costs, so neither learns from the other's
-steps. Changes (``--change``):
+constants set so the change has no effect), the other as shipped; ``suffix`` alone (on the second
+engine) is the reference. The three take turns request by request over the first turn of every
+prompt of bench/prompts.yaml, greedy and at temperature 0.8 (seeded, a new seed each round), 96
+tokens, each request its own scope. The constants are switched around each request; each engine
+keeps its own live costs, so neither learns from the other's steps. Changes (``--change``):
 
 - ``verify-slope``: the verify slope live steps show (``MIN_ROW_READINGS`` out of reach before) and
   probes only of draft models with little to catch up (``PROBE_CATCH_UP`` 1 before, a whole plain
@@ -14,12 +13,10 @@ steps. Changes (``--change``):
 - ``text-share``: a draft model's catch-up paid back over the share of steps text matching leaves
   to others (``LEFT_PRIOR_STEPS`` out of reach before: always all 64 tokens). Answer:
   docs/drafters.md#catch-up-over-the-steps-text-matching-leaves.
-- ``ngram``: ``ngram``'s offers beside ``suffix``'s at every step (``TEXT_MATCHERS`` ``suffix`` alone
-  before). Answer: docs/drafters.md#two-text-matchers.
 
     .venv/bin/python bench/studies/auto_ab.py --change text-share [--rounds 3] [--cases code@0.0,long@0.8]
 
-Writes the change's entry ("verify slope A/B", "text share A/B", ...) of bench/results/auto_overhead.json:
+Writes the change's entry ("verify slope A/B", "text share A/B") of bench/results/auto_overhead.json:
 median decode tokens/s (after the first arrival: ``Run.decode_tokens_per_s``) by case, and each
 configuration over the others.
 """
@@ -49,13 +46,10 @@ SHIPPED = {
     (adaptive, "MIN_ROW_READINGS"): adaptive.MIN_ROW_READINGS,
     (auto_module, "PROBE_CATCH_UP"): auto_module.PROBE_CATCH_UP,
     (auto_state, "LEFT_PRIOR_STEPS"): auto_state.LEFT_PRIOR_STEPS,
-    (auto_module, "TEXT_MATCHERS"): auto_module.TEXT_MATCHERS,  # read when an engine is built
 }
-SINGLES = ("suffix", "ngram")  # the text matchers alone, on the shipped engine: the references
 CHANGES = {  # what each change's "before" sets, and the entry it writes
     "verify-slope": ("verify slope A/B", {(adaptive, "MIN_ROW_READINGS"): 10**9, (auto_module, "PROBE_CATCH_UP"): 1.0}),
     "text-share": ("text share A/B", {(auto_state, "LEFT_PRIOR_STEPS"): 1e12}),
-    "ngram": ("ngram candidate A/B", {(auto_module, "TEXT_MATCHERS"): ("suffix",)}),
 }
 
 
@@ -72,14 +66,11 @@ def main() -> None:
     args = parser.parse_args()
     entry, changed = CHANGES[args.change]
     before_constants = SHIPPED | changed
-    use(before_constants)
-    before = load_engine(EngineConfig(), show_progress=False)
-    use(SHIPPED)
-    shipped = load_engine(EngineConfig(), show_progress=False)
+    before, shipped = (load_engine(EngineConfig(), show_progress=False) for _ in range(2))
     runners = {"before": EngineRunner(before.engine), "shipped": EngineRunner(shipped.engine)}
     # (name, engine's runner, constants, drafter), in the order they take turns
-    configurations = [(single, "shipped", SHIPPED, single) for single in SINGLES]
-    configurations += [("before", "before", before_constants, "auto"), ("shipped", "shipped", SHIPPED, "auto")]
+    configurations = [("suffix", "shipped", SHIPPED, "suffix"), ("before", "before", before_constants, "auto")]
+    configurations.append(("shipped", "shipped", SHIPPED, "auto"))
     wanted = set(filter(None, args.cases.split(",")))
     rates: dict[str, dict[str, list[float]]] = {}
     for round_index in range(args.rounds):
@@ -102,8 +93,6 @@ def main() -> None:
             "tokens_per_s": {name: round(value, 1) for name, value in median.items()},
             "before_over_suffix": round(median["before"] / median["suffix"], 3),
             "shipped_over_suffix": round(median["shipped"] / median["suffix"], 3),
-            "before_over_best_single": round(median["before"] / max(median[single] for single in SINGLES), 3),
-            "shipped_over_best_single": round(median["shipped"] / max(median[single] for single in SINGLES), 3),
             "shipped_over_before": round(median["shipped"] / median["before"], 3),
         }
         print(case, {key: value for key, value in table[case].items() if key != "tokens_per_s"})

@@ -1,7 +1,7 @@
 """auto: at every step, the candidate drafter (and k) with the most expected tokens per second.
 
-Candidates: ``suffix`` and ``ngram``; ``model`` and the chain ``suffix,model`` with a draft model;
-``eagle3`` with a head (named, or shipped for the target); and drafting nothing (k = 0).
+Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with
+a head (named, or shipped for the target, priced by its own timing); and drafting nothing (k = 0).
 For candidate c at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k)
 seconds. The acceptance a_c is this request's own, pooled over the steps c ran (recent ones weigh
 more), from a prior its scope's finished requests move (a draft model's: its agreement measured at
@@ -10,9 +10,10 @@ or breaks with the text). A text match's draft i passes, once those before it di
 tokens longer does; its drafts are scaled by realised over expected. Draft cost d_c and verify cost
 v(k) are timed at start-up, then live, shared by requests (v as a line over k, ``StepCosts``).
 
-Text matchers are asked first at every step (a lookup): the choice knows how many tokens each
-offers and how long a match they continue, and acceptance is tracked per matcher and match length
-(``suffix@1`` ... ``@8``, ``ngram@1`` ... ``@4``), so a long match wins and a weak one does not.
+Text matching is asked first at every step, since its proposal costs next to nothing to make: the
+choice then knows how many tokens it offers and how long a match they continue, and its acceptance
+is tracked per match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a
+longer one mostly does), so a long match wins the step and a weak one leaves it to the draft model.
 Its cost is its verify rows alone. An offer the step declines is scored by the token committed where
 its first draft stood, so text matching's acceptance stays current without probes. A draft model's
 step must also beat the pace text matching (or plain decoding) kept over the last few steps, each
@@ -56,7 +57,6 @@ from .base import Drafter, DraftResources, Proposal
 from .eagle3 import head_drafter
 from .registry import build, register
 
-TEXT_MATCHERS = ("suffix", "ngram")  # asked at every step; each offer priced by its own tracks
 PRIOR_WEIGHT = 0.3  # how much one finished request moves a prior
 HORIZON = 64  # tokens over which a candidate's catch-up is paid back, where text matching takes no steps
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
@@ -349,7 +349,7 @@ class AutoDrafter(Drafter):
 
 @register("auto", AutoDrafter)
 def _build(resources: DraftResources) -> AutoDrafter:
-    candidates: dict[str, Drafter] = {name: build(name, resources) for name in TEXT_MATCHERS}
+    candidates: dict[str, Drafter] = {"suffix": build("suffix", resources)}
     if resources.draft is not None:
         candidates["model"] = build("model", resources)
         staged = replace(resources, config=replace(resources.config, stages=("suffix", "model")))

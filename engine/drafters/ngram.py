@@ -16,15 +16,13 @@ from .registry import register
 
 class NgramDrafter(Drafter):
     name = "ngram"
-    per_sequence = ("_index", "_indexed", "match_length", "proposed")
+    per_sequence = ("_index", "_indexed")
 
     def __init__(self, min_n: int, max_n: int, device: torch.device) -> None:
         self.sizes = range(max_n, min_n - 1, -1)  # longest match first
         self.device = device
         self._index: dict[int, dict[tuple[int, ...], int]] = {}  # n -> n-gram -> index after its latest occurrence
         self._indexed = 0  # n-grams ending before this position are in the index
-        self.match_length = 0  # the n of the last proposal's match (0: none), which auto prices it by
-        self.proposed: list[int] = []  # the last proposal's tokens, on the host
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         self._index = {n: {} for n in self.sizes}
@@ -32,14 +30,13 @@ class NgramDrafter(Drafter):
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         self._extend_index(token_ids)
-        self.match_length, self.proposed = 0, []
         for n in self.sizes:
             if len(token_ids) <= n:
                 continue
             follows = self._index[n].get(tuple(token_ids[-n:]))
             if follows is not None:
-                self.match_length, self.proposed = n, list(token_ids[follows : follows + num_draft_tokens])
-                return Proposal(upload(self.proposed, self.device), None)
+                continuation = token_ids[follows : follows + num_draft_tokens]
+                return Proposal(upload(continuation, self.device), None)
         return Proposal.empty(self.device)
 
     def accept(self, num_committed: int) -> None:

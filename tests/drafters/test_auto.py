@@ -23,9 +23,9 @@ def auto_engine(noise: float = 0.05):
 
 
 def test_candidates_are_what_can_run_here():
-    assert set(auto_engine().drafter("auto").candidates) == {"suffix", "ngram", "model", "staged"}
+    assert set(auto_engine().drafter("auto").candidates) == {"suffix", "model", "staged"}
     alone = tiny_engine(tiny_llama(seed=3, vocab_size=96), None, drafter="auto")
-    assert set(alone.drafter("auto").candidates) == {"suffix", "ngram"}
+    assert set(alone.drafter("auto").candidates) == {"suffix"}
 
 
 def priced_auto(verify: dict[int, float], model_cost: float, alpha: dict[str, float]):
@@ -94,19 +94,6 @@ def test_text_matching_is_judged_by_its_offer_and_the_length_of_its_match():
         "suffix@4",
         "suffix@8",
     ]
-
-
-def test_of_two_text_matchers_offering_the_step_goes_to_the_one_whose_track_holds_better():
-    """suffix and ngram both offer at every step, each priced by its own track: where the latest
-    repeat predicts the text (a conversation), ngram's; where the most frequent continuation does
-    (code), suffix's. Declined, the other's offer is scored by the token committed."""
-    auto = priced_auto({0: 0.030, 1: 0.031, 2: 0.032, 3: 0.033, 4: 0.034}, 0.050, {"model": 0.1, "staged": 0.1})
-    both = offer(4, 4) | {"ngram": (Proposal(torch.arange(4), None), match_track("ngram", 4))}
-    auto._request.alpha |= {"suffix@4": 0.5, "ngram@4": 0.9}
-    assert auto._choose([1, 2, 3], 4, both) == ("ngram", 4)
-    auto._request.alpha |= {"suffix@4": 0.9, "ngram@4": 0.3}
-    assert auto._choose([1, 2, 3], 4, both)[0] == "suffix"
-    assert {"ngram@1", "ngram@2", "ngram@4"} <= set(auto.priors)  # from start-up's match priors
 
 
 def test_a_draft_model_must_beat_text_matchings_pace_over_the_last_steps():
