@@ -104,10 +104,13 @@ class ModelDrafter(Drafter):
 @register("model", ModelDrafter)
 def _build(resources: DraftResources) -> ModelDrafter:
     if resources.draft is None:
-        raise ConfigError(
-            "the 'model' drafter needs a draft model (--draft REF or copy:FORM; copy:auto keeps none where "
-            "the start-up line says the target alone decodes faster)"
+        config = resources.config
+        why = (
+            f"copy:auto reads none where the start-up drafter ({config.drafter!r}) never drafts with one"
+            if config.drafts_with_model == "never"
+            else "copy:auto keeps none where the start-up line says the target alone decodes faster"
         )
+        raise ConfigError(f"the 'model' drafter needs a draft model (--draft REF or copy:FORM; {why})")
     target = None
     if resources.config.draft_reads_target_kv:
         draft_shape, target_shape = resources.draft.cache.keys.shape, resources.target.cache.keys.shape
