@@ -9,6 +9,12 @@ as good when it names the expected word and ends by itself (end of sequence) wit
 
 ``--activations int8 --questions 1``: the int8 target (docs/internals.md#int8-activations) on the
 README's question alone, written to bench/results/defaults-int8.json.
+
+``--first-seed 1000 --candidates chosen,frequency [--system TEXT]``: other seeds than the table's,
+a few candidates, a system message of the request's own (else the template's): written as a section
+named after them in the same file, beside the table's run.
+
+    .venv/bin/python bench/studies/defaults.py --activations int8 --questions 1 --samples 60 --first-seed 1000 --candidates chosen,frequency
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ CANDIDATES = {  # name: sampling fields
     "greedy": {"temperature": 0.0},
     "greedy, repetition 1.1": {"temperature": 0.0, "repetition_penalty": 1.1},
 }
+CHOSEN = "t 0.1, top_p 0.9, repetition 1.1"  # engine/model/loader.py's EMBEDDED_GENERATION
+MORE = {  # asked by name only (--candidates): the chosen defaults with a penalty on the output's own repeats
+    "frequency": {"temperature": 0.1, "top_p": 0.9, "repetition_penalty": 1.1, "frequency_penalty": 0.6},
+}
 WITHIN = 64  # tokens an answer must end within
 CAP = 256  # how far a sample may run, to see how long the ramblers go
 
@@ -61,18 +71,27 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20, help="seeded samples per question and candidate")
     parser.add_argument("--activations", default="float32", help="the target's activations (float32, int8)")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS), help="the first N questions (1: the README's)")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + samples - 1")
+    parser.add_argument(
+        "--candidates", default="", help="comma-separated: 'chosen', names of MORE (default: the table's)"
+    )
+    parser.add_argument("--system", default=None, help="a system message sent before each question")
     args = parser.parse_args()
+    named = {"chosen": (CHOSEN, CANDIDATES[CHOSEN]), **{name: (name, fields) for name, fields in MORE.items()}}
+    candidates = dict(named[name] for name in args.candidates.split(",")) if args.candidates else CANDIDATES
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    section = args.candidates or args.first_seed or args.system  # a run beside the table's, not the table
     config = EngineConfig(drafter="none", draft=None, max_model_len=2048, activations=args.activations)
     loaded = load_engine(config, show_progress=False)
     engine, tokenizer = loaded.engine, loaded.tokenizer
     rows, started = {}, time.time()
-    for name, fields in CANDIDATES.items():
+    for name, fields in candidates.items():
         per_question = {}
         for question, expected in QUESTIONS[: args.questions]:
-            prompt = chat_ids(tokenizer, [{"role": "user", "content": question}])
+            prompt = chat_ids(tokenizer, [*opening, {"role": "user", "content": question}])
             counts = {"good": 0, "right": 0, "ended": 0, "ended_within_cap": 0, "tokens": []}
             samples = 1 if fields["temperature"] == 0 else args.samples
-            for seed in range(samples):
+            for seed in range(args.first_seed, args.first_seed + samples):
                 params = SamplingParams(max_tokens=CAP, seed=seed, **fields)
                 ids, finish = [], None
                 for out in engine.generate(Request(f"{name}-{seed}", prompt, params)):
@@ -108,6 +127,8 @@ def main() -> None:
         report = {
             "host": host(),
             "samples": args.samples,
+            "first_seed": args.first_seed,
+            "system": args.system,
             "activations": loaded.engine.config.activations,
             "within_tokens": WITHIN,
             "cap": CAP,
@@ -115,7 +136,14 @@ def main() -> None:
             "candidates": rows,
         }
         name = "defaults" if args.activations == "float32" else f"defaults-{args.activations}"
-        (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        path = RESULTS / f"{name}.json"
+        if section:  # beside the table's run, under what it asked
+            title = (
+                f"{args.questions} of {len(QUESTIONS)} questions, seeds {args.first_seed}+, {args.candidates or 'the table'}"
+                + (f", system {args.system!r}" if args.system else "")
+            )
+            report = {**json.loads(path.read_text()), title: report} if path.exists() else {title: report}
+        path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
