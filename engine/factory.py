@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import sys
 import time
@@ -28,7 +27,7 @@ from .engine import SpecEngine
 from .errors import ConfigError
 from .measure import choose_copy
 from .model.fingerprint import arithmetic, system_fingerprint, weight_files
-from .model.loader import CopySource, eos_token_ids, load
+from .model.loader import CopySource, copy_of_first_layers, eos_token_ids, load
 from .model.model import CausalLM
 from .model.runner import GraphRunner
 
@@ -127,7 +126,11 @@ def build_engine(
         read = copy_reader(draft_model, target.device)
         cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
         draft, form, measured_agreement = choose_copy(
-            target, lambda: CausalLM(read(), max_len), config.num_draft_tokens, cache, config.drafts_with_model == "may"
+            target,
+            lambda layers=None: CausalLM(read(layers), max_len),
+            config.num_draft_tokens,
+            cache,
+            config.drafts_with_model == "may",
         )
         config = replace(config, draft=None if draft is None else COPY_PREFIX + form)
         del draft_model, read  # a model copied from: the copy kept (or none) is what the engine holds
@@ -148,13 +151,14 @@ def build_engine(
     return engine
 
 
-def copy_reader(draft_model: torch.nn.Module | CopySource, device: torch.device) -> Callable[[], torch.nn.Module]:
-    """How copy:auto reads a bfloat16 copy of the target each time it times or keeps one: from the
-    target's file; else, from the copy loaded, a deep copy of it on CPU (where one copy is timed,
-    let go, and another made) or that copy itself elsewhere (where one is taken, untimed)."""
+def copy_reader(draft_model: torch.nn.Module | CopySource, device: torch.device) -> Callable[..., torch.nn.Module]:
+    """How copy:auto reads a bfloat16 copy of the target each time it times or keeps one (given a
+    number of layers: only the first so many, to estimate a step): from the target's file; else,
+    from the copy loaded, a deep copy of it on CPU (where one copy is timed, let go, and another
+    made) or that copy itself elsewhere (where one is taken, untimed)."""
     if isinstance(draft_model, CopySource):
         return draft_model.read
-    return partial(copy.deepcopy, draft_model) if device.type == "cpu" else lambda: draft_model
+    return partial(copy_of_first_layers, draft_model) if device.type == "cpu" else lambda layers=None: draft_model
 
 
 def check_memory(engine: SpecEngine) -> None:

@@ -30,6 +30,12 @@ from .model.timing import synchronize
 # copy here, three starts) then runs at break-even or below, and holds 135 MB.
 KEEP_MARGIN = 1.10
 
+# copy:auto estimates a copy's step from copies of its first four decoder layers and its first, before
+# reading a whole one (engine/measure.py, estimated_step); an estimate is taken at EVEN_IF of itself
+# when judging whether a copy could pay at all, so a disturbed timing does not rule one out.
+ESTIMATE_LAYERS = (4, 1)
+EVEN_IF = 0.8
+
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +93,7 @@ def agreement(draft: CausalLM, target: CausalLM, num_tokens: int = 32) -> float:
 
 def choose_copy(
     target: CausalLM,
-    read_copy: Callable[[], CausalLM],
+    read_copy: Callable[..., CausalLM],
     num_draft_tokens: int,
     cache: PlanCache | None = None,
     may_keep_none: bool = False,
@@ -99,9 +105,12 @@ def choose_copy(
     the target alone decodes: a copy that cannot pay only costs memory and auto's probes. Off CPU
     (no int8 kernel there) the bfloat16 copy, unmeasured. Returns the chosen model (None: none),
     what it is ("bfloat16", "int8" or "none"), and its measured agreement with the target (None: not
-    measured). ``read_copy`` gives a fresh bfloat16 copy at each call: one is read to be timed, then
-    quantized in place and timed as int8 rows (start-up never holds two copies), and read again
-    only where the bfloat16 one is kept.
+    measured). ``read_copy`` gives a fresh bfloat16 copy at each call (``read_copy(n)``: of its first
+    n decoder layers): one is read to be timed, then quantized in place and timed as int8 rows
+    (start-up never holds two copies), and read again only where the bfloat16 one is kept. With
+    ``may_keep_none``, a form whose step, estimated from small copies (``estimated_step``), could
+    not pay even if every draft passed is neither read whole nor timed: where neither could, no
+    copy is read at all.
     With a ``cache``, the choice is stored under the host and the target's weights (unless timed on
     a busy host) and read back at the next start of the same model on this host, which then times
     nothing and reads only the copy it keeps (none: nothing): the choice holds between starts, as
@@ -123,9 +132,21 @@ def choose_copy(
     alone = read_seconds(target, 1, repeats=3)
     per_row = extra_row_seconds(target, most + 1, alone, 2, scored=True)  # a verify of k drafts: alone + k * per_row
     rates, found, agreements = {"none": 1 / alone}, {}, {}
-    model = _kept_copy("bfloat16", read_copy, max_rows, cache)
-    for form in ("bfloat16", "int8"):  # int8 last: where it wins, the copy timed is the one kept
-        if form == "int8":  # the bfloat16 copy just timed becomes the int8 one, product by product
+    forms, estimates = ["bfloat16", "int8"], {}  # int8 last: where it wins, the copy timed is the one kept
+    if may_keep_none:  # a copy too slow to pay even if every draft passed is not read whole
+        for form in list(forms):
+            estimates[form] = estimated_step(form, read_copy, len(target.layers), max_rows)
+            if not could_pay(estimates[form], alone, per_row, most):
+                forms.remove(form)
+                found[form] = (
+                    f"{form} (step estimated at {estimates[form] * 1e3:.1f} ms: no k pays even if every draft passed)"
+                )
+        release_freed_memory()
+    model = None
+    if forms:
+        model = _kept_copy("bfloat16", read_copy, max_rows, cache) if "bfloat16" in forms else read_copy()
+    for form in forms:
+        if form == "int8":  # the bfloat16 copy read (and timed) becomes the int8 one, product by product
             model.weights.quantize_int8()
             release_freed_memory()
         read_seconds(model, 1, repeats=1)  # first-call costs
@@ -133,25 +154,63 @@ def choose_copy(
         rates[form], k = max(
             (expected_tokens(agreements[form], k) / (k * step + alone + k * per_row), k) for k in range(1, most + 1)
         )
+        estimated = f", estimated {estimates[form] * 1e3:.1f}" if form in estimates else ""
         found[form] = (
-            f"{form} (step {step * 1e3:.1f} ms, agreement {agreements[form]:.3f}, {rates[form]:.1f} tok/s at k = {k})"
+            f"{form} (step {step * 1e3:.1f} ms{estimated}, agreement {agreements[form]:.3f}, "
+            f"{rates[form]:.1f} tok/s at k = {k})"
         )
     found["none"] = f"none (the target alone: step {alone * 1e3:.1f} ms, {rates['none']:.1f} tok/s)"
     candidates = [form for form in rates if may_keep_none or form != "none"]
     chosen = max(candidates, key=lambda form: rates[form] / (KEEP_MARGIN if form != "none" and may_keep_none else 1))
-    others = ", ".join(text for form, text in found.items() if form in candidates and form != chosen)
+    others = ", ".join(text for form, text in found.items() if form != chosen and (may_keep_none or form != "none"))
     log.info("draft copy:auto chose %s over %s", found[chosen], others)
     if key:
         choice = {"choice": chosen, "agreement": agreements.get(chosen), "found": found[chosen]}
         cache.save_record(key, "copy:auto choice", choice, thread_share(started))
-    if chosen != "int8":  # the int8 copy timed last is let go; the bfloat16 one is read again
+    if chosen != (forms[-1] if forms else "none"):  # the copy timed last is let go; the chosen one is read
         model = None
         release_freed_memory()
         model = _kept_copy(chosen, read_copy, max_rows, cache)
     return model, chosen, agreements.get(chosen)
 
 
-def _kept_copy(form: str, read_copy: Callable[[], CausalLM], max_rows: int, cache: PlanCache | None) -> CausalLM | None:
+def estimated_step(form: str, read_copy: Callable[..., CausalLM], num_layers: int, max_rows: int) -> float:
+    """A decode step of the whole copy in ``form``, estimated from copies of its first four decoder
+    layers and of its first (each with the embedding and LM head): the one-layer step, plus each
+    further layer at the difference's share. Small copies find more of their weights in cache, so
+    this errs low: in a server's first starts on an idle Xeon an int8 copy estimated at 21.3 ms
+    stepped in 26.8, bfloat16 ones estimated at 40.7-48.0 ms in 41.0. The bfloat16 copies run under
+    a plan measured on the larger one (the same shapes)."""
+    counts = sorted({min(layers, num_layers) for layers in ESTIMATE_LAYERS}, reverse=True)
+    steps, plan = {}, None
+    for layers in counts:
+        model = read_copy(layers)
+        if form == "int8":
+            model.weights.quantize_int8()
+        elif plan is None:
+            plan = model.weights.plan_matmuls(max_rows)
+        else:
+            model.weights.use_plan(plan)
+        read_seconds(model, 1, repeats=1)  # first-call costs
+        steps[layers] = read_seconds(model, 1, repeats=7)
+        del model
+    if len(counts) == 1:  # a model of one layer: timed whole
+        return steps[counts[0]]
+    more = counts[0]
+    return steps[1] + (num_layers - 1) * max(steps[more] - steps[1], 0.0) / (more - 1)
+
+
+def could_pay(step: float, alone: float, per_row: float, most: int) -> bool:
+    """Whether a copy stepping in ``step`` (taken at EVEN_IF of it) could promise KEEP_MARGIN more
+    than the target alone (a step of ``alone``, ``per_row`` more a verified draft) at some k up to
+    ``most``, were every draft to pass: (k + 1) tokens for k draft steps and a verify of k rows."""
+    best = max((k + 1) / (k * step * EVEN_IF + alone + k * per_row) for k in range(1, most + 1))
+    return best >= KEEP_MARGIN / alone
+
+
+def _kept_copy(
+    form: str, read_copy: Callable[..., CausalLM], max_rows: int, cache: PlanCache | None
+) -> CausalLM | None:
     """The copy ``copy:auto`` keeps: None, the bfloat16 copy under its plan, or int8 rows made from it."""
     if form == "none":
         return None

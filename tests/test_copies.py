@@ -10,13 +10,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import engine.measure as measure_module
 from engine.config import ConfigError, EngineConfig
 from engine.cpu.blocks import native_ops_available
 from engine.cpu.gguf_file import GGUFFile
 from engine.factory import build_engine, warm_up
-from engine.measure import KEEP_MARGIN, choose_copy
+from engine.measure import KEEP_MARGIN, choose_copy, could_pay
 from engine.model.from_gguf import read_gguf_target
-from engine.model.loader import CopySource, converted_copy, load_draft
+from engine.model.loader import CopySource, converted_copy, copy_of_first_layers, load_draft
 from engine.model.model import CausalLM
 from engine.model.weights import Int8Weight
 from engine.request import Request
@@ -111,14 +112,15 @@ def test_copy_auto_reads_no_copy_under_a_start_up_drafter_that_never_drafts_with
         engine.drafter("model")
 
 
-def copies_of(hf_model: torch.nn.Module, reads: list | None = None) -> Callable[[], CausalLM]:
+def copies_of(hf_model: torch.nn.Module, reads: list | None = None, small: list | None = None) -> Callable:
     """copy:auto's ``read_copy`` over an in-process model: a fresh bfloat16 copy at each call,
-    each one noted in ``reads``."""
+    each whole one noted in ``reads``, the layer count of each of its first layers in ``small``."""
 
-    def read() -> CausalLM:
-        model = CausalLM(copy.deepcopy(hf_model).to(torch.bfloat16), max_len=64)
-        if reads is not None:
-            reads.append(model)
+    def read(layers: int | None = None) -> CausalLM:
+        model = CausalLM(copy_of_first_layers(hf_model, layers).to(torch.bfloat16), max_len=64)
+        noted, what = (reads, model) if layers is None else (small, len(model.layers))
+        if noted is not None:
+            noted.append(what)
         return model
 
     return read
@@ -149,9 +151,11 @@ def test_copy_auto_times_both_copies_and_keeps_the_faster(caplog):
     assert re.search(r"tok/s at k = [123]\)", line)
 
 
-def test_copy_auto_for_the_auto_drafter_keeps_no_copy_where_the_target_alone_is_faster(caplog):
+def test_copy_auto_for_the_auto_drafter_keeps_no_copy_where_the_target_alone_is_faster(caplog, monkeypatch):
     """Beside the auto drafter the target alone is a third choice, priced from its own timed step; a
-    copy is kept only where it promises KEEP_MARGIN more, and choosing none returns no model."""
+    copy is kept only where it promises KEEP_MARGIN more, and choosing none returns no model. (Every
+    form is read whole and timed here: no estimate rules one out at EVEN_IF 0.)"""
+    monkeypatch.setattr(measure_module, "EVEN_IF", 0.0)
     chosen, form, agreed, line, rates = _chosen_copy(caplog, may_keep_none=True)
     copies = {"int8", "bfloat16"}
     assert set(rates) == copies | {"none"}
@@ -159,6 +163,32 @@ def test_copy_auto_for_the_auto_drafter_keeps_no_copy_where_the_target_alone_is_
     assert form == (best if rates[best] > KEEP_MARGIN * rates["none"] else "none")
     assert re.search(r"none \(the target alone: step [\d.]+ ms, [\d.]+ tok/s\)", line)
     assert (chosen is None) == (form == "none") and (agreed is None) == (form == "none")
+
+
+def test_copy_auto_reads_no_whole_copy_where_an_estimate_says_none_could_pay(caplog, monkeypatch):
+    """Beside the auto drafter, each copy's step is first estimated from copies of its first four
+    layers and its first; a form that could not pay even if every draft passed is not read whole
+    (nor timed, nor measured for agreement). Where neither could, none is read at all. (The bar is
+    raised here so that no copy can pay, whatever this host's timings.)"""
+    monkeypatch.setattr(measure_module, "KEEP_MARGIN", 1e6)
+    target, reads, small = CausalLM(tiny_llama(seed=5, vocab_size=64, init=0.2), max_len=64), [], []
+    with caplog.at_level(logging.INFO, logger="engine.measure"):
+        chosen, form, agreed = choose_copy(target, copies_of(target.hf_model, reads, small), 3, may_keep_none=True)
+    assert (chosen, form, agreed) == (None, "none", None) and reads == []
+    layers = len(target.layers)
+    assert layers > 1 and small == [min(4, layers), 1] * 2  # each form: its first four layers (or all), then its first
+    line = next(r.getMessage() for r in caplog.records if "copy:auto chose" in r.getMessage())
+    for name in ("bfloat16", "int8"):
+        assert re.search(rf"{name} \(step estimated at [\d.]+ ms: no k pays even if every draft passed\)", line)
+
+
+def test_a_copy_could_pay_only_where_its_step_leaves_room_at_full_acceptance():
+    """(k + 1) tokens for k draft steps (taken at EVEN_IF of the estimate) and a verify of k rows,
+    against KEEP_MARGIN times the target alone's rate: 20 ms a target step, 2 ms a row, k up to 4."""
+    alone, row = 0.020, 0.002
+    assert not could_pay(alone, alone, row, 4)  # a copy as slow as the target cannot pay
+    assert not could_pay(0.025, alone, 0.0, 1)  # at one draft a step, free rows: 2 tokens in 40 ms, not 1.1 in 20
+    assert could_pay(0.005, alone, row, 4) and not could_pay(0.005, alone, 0.030, 4)
 
 
 def test_an_engine_drafting_with_copy_auto_says_which_copy_and_keeps_the_targets_greedy_output():
@@ -246,7 +276,9 @@ def test_a_target_built_from_its_file_keeps_copy_auto_s_choice_and_the_next_star
 
     kept, reads = start()
     assert "copy:auto: timing a bfloat16 and an int8 copy" in caplog.text
-    assert reads == (2 if kept == "copy:bfloat16" else 1)  # one timed as bfloat16, then as int8 rows
+    ruled_out = caplog.text.count("no k pays even if every draft passed")  # estimated from small copies, not read
+    timed_both = 2 if kept == "copy:bfloat16" else 1  # one timed as bfloat16, then as int8 rows
+    assert reads == {0: timed_both, 1: 1, 2: 0}[ruled_out]
     assert len(list((tmp_path / "plans").glob("copy-auto-*.json"))) == 1
     again, reads = start()
     assert "(stored, measured " in caplog.text and "timing a bfloat16" not in caplog.text

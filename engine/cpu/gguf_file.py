@@ -102,18 +102,18 @@ class GGUFFile:
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.type)]
         return int(np.prod(info.shape[:-1], dtype=np.int64)), info.shape[-1] // block * size
 
-    def floats(self, name: str) -> np.ndarray:
+    def floats(self, name: str, rows: slice | None = None) -> np.ndarray:
         """Tensor ``name`` dequantized to float32, in its shape, rows in the checkpoint's order
-        (the gguf package's arithmetic)."""
+        (the gguf package's arithmetic); ``rows``: only those of a matrix, [rows, columns]."""
         import gguf
 
         info = self.tensors[name]
-        raw = self.raw(name)
+        raw = self.raw(name) if rows is None else self.raw(name)[rows]
         if info.type == F32:
             values = raw.view(np.float32)
         else:
             values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.type)).astype(np.float32, copy=False)
-        return values.reshape(info.shape)
+        return values.reshape(info.shape if rows is None else (len(raw), *info.shape[1:]))
 
     def row_order(self, name: str) -> np.ndarray | None:
         """Where a tensor's rows differ from the checkpoint it was converted from, the stored row of

@@ -175,15 +175,21 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
-def read_gguf_target(file: GGUFFile, dtype: torch.dtype | None = None) -> tuple[Decoder, FileTensors]:
+def read_gguf_target(
+    file: GGUFFile, dtype: torch.dtype | None = None, layers: int | None = None
+) -> tuple[Decoder, FileTensors]:
     """The model ``file`` holds (``direct_gguf`` must allow it), and the blocks its products read.
     A product whose stacked tensors are all in formats the kernels decode keeps an empty weight
     (its blocks are the weight); every other tensor is dequantized to float32, as transformers
     loads it (the embedding table too, unless a tied LM head's blocks give its rows). With a
-    ``dtype``, no blocks: every tensor is dequantized and held in ``dtype`` (a draft copy)."""
+    ``dtype``, no blocks: every tensor is dequantized and held in ``dtype`` (a draft copy), a block
+    of rows at a time. ``layers``: only the first so many decoder layers (what a step of the whole
+    costs is estimated from such; engine/measure.py)."""
     import gguf
 
     config = model_config(file)
+    if layers is not None:
+        config.num_hidden_layers = min(layers, config.num_hidden_layers)
     model = Decoder(config)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[file.arch.upper()], config.num_hidden_layers)
     module_names = {id(module): name for name, module in model.named_modules()}
@@ -213,7 +219,9 @@ def read_gguf_target(file: GGUFFile, dtype: torch.dtype | None = None) -> tuple[
             if module is model.lm_head and config.tie_word_embeddings:
                 continue  # the table, read once as the embedding's
             stored = f"{tensor(module)}.{name}"
-            values = torch.from_numpy(file.floats(stored).copy()).to(dtype or torch.float32)
+            values = _values(file, stored, dtype) if dtype is not None and param.dim() == 2 else None
+            if values is None:
+                values = torch.from_numpy(file.floats(stored).copy()).to(dtype or torch.float32)
             if values.shape != param.shape:
                 raise ValueError(
                     f"{stored}: the file holds {tuple(values.shape)}, the model needs {tuple(param.shape)}"
@@ -222,3 +230,17 @@ def read_gguf_target(file: GGUFFile, dtype: torch.dtype | None = None) -> tuple[
     if config.tie_word_embeddings:
         model.lm_head.weight = embedding.weight
     return model, blocks
+
+
+ROW_BLOCK = 4096  # rows dequantized at a time into a copy in another dtype
+
+
+def _values(file: GGUFFile, stored: str, dtype: torch.dtype) -> torch.Tensor:
+    """Matrix ``stored`` held in ``dtype``, dequantized a block of rows at a time: a bfloat16 copy
+    never holds a whole table in float32 (the embedded model's: 113 MB)."""
+    rows, columns = file.tensors[stored].shape
+    values = torch.empty(rows, columns, dtype=dtype)  # [R, C]
+    for start in range(0, rows, ROW_BLOCK):
+        block = file.floats(stored, slice(start, start + ROW_BLOCK))
+        values[start : start + len(block)] = torch.from_numpy(block if block.flags.writeable else block.copy())
+    return values

@@ -63,10 +63,12 @@ class CopySource:
     path: Path
     name: str  # the draft ref, "copy:auto"
 
-    def read(self) -> torch.nn.Module:
+    def read(self, layers: int | None = None) -> torch.nn.Module:
+        """The copy; ``layers``: only its first so many decoder layers, read quietly (to estimate a step)."""
         started = time.perf_counter()
-        draft = read_gguf_target(GGUFFile(self.path), torch.bfloat16)[0]
-        log.info("loaded draft %s: %s in %.1f s", self.name, describe(draft), time.perf_counter() - started)
+        draft = read_gguf_target(GGUFFile(self.path), torch.bfloat16, layers)[0]
+        if layers is None:
+            log.info("loaded draft %s: %s in %.1f s", self.name, describe(draft), time.perf_counter() - started)
         return draft
 
 
@@ -275,6 +277,21 @@ def converted_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modul
         id(param): torch.nn.Parameter(param.detach().to(dtype), param.requires_grad) for param in model.parameters()
     }
     return copy.deepcopy(model, memo).to(dtype)
+
+
+def copy_of_first_layers(model: torch.nn.Module, layers: int | None = None) -> torch.nn.Module:
+    """A deep copy of a transformers-laid-out ``model`` (``model.model.layers``); ``layers``: only
+    its first so many decoder layers, the rest never copied."""
+    if layers is None:
+        return copy.deepcopy(model)
+    body, config = model.model, model.config
+    every = body.layers
+    body.layers, model.config = every[:layers], copy.copy(config)
+    model.config.num_hidden_layers = len(body.layers)
+    try:
+        return copy.deepcopy(model)
+    finally:
+        body.layers, model.config = every, config
 
 
 def generation_defaults(model: torch.nn.Module, embedded: bool) -> dict[str, float | int]:
