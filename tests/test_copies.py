@@ -167,7 +167,7 @@ def test_copy_auto_for_the_auto_drafter_keeps_no_copy_where_the_target_alone_is_
 
 def test_copy_auto_reads_no_whole_copy_where_an_estimate_says_none_could_pay(caplog, monkeypatch):
     """Beside the auto drafter, each copy's step is first estimated from copies of its first four
-    layers and its first; a form that could not pay even if every draft passed is not read whole
+    layers and its first (twice before a form is ruled out); a form that could not pay even if every draft passed is not read whole
     (nor timed, nor measured for agreement). Where neither could, none is read at all. (The bar is
     raised here so that no copy can pay, whatever this host's timings.)"""
     monkeypatch.setattr(measure_module, "KEEP_MARGIN", 1e6)
@@ -176,7 +176,8 @@ def test_copy_auto_reads_no_whole_copy_where_an_estimate_says_none_could_pay(cap
         chosen, form, agreed = choose_copy(target, copies_of(target.hf_model, reads, small), 3, may_keep_none=True)
     assert (chosen, form, agreed) == (None, "none", None) and reads == []
     layers = len(target.layers)
-    assert layers > 1 and small == [min(4, layers), 1] * 2  # each form: its first four layers (or all), then its first
+    # each form, twice (a second look before ruling it out): its first four layers (or all), then its first
+    assert layers > 1 and small == [min(4, layers), 1] * 4
     line = next(r.getMessage() for r in caplog.records if "copy:auto chose" in r.getMessage())
     for name in ("bfloat16", "int8"):
         assert re.search(rf"{name} \(step estimated at [\d.]+ ms: no k pays even if every draft passed\)", line)
