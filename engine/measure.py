@@ -32,8 +32,9 @@ KEEP_MARGIN = 1.10
 
 # copy:auto estimates a copy's step from copies of its first four decoder layers and its first, before
 # reading a whole one (estimated_step); an estimate is taken at EVEN_IF of itself when judging whether
-# a copy could pay at all (at full acceptance), and a form is ruled out only after a second look, so
-# neither an estimate's error (within 15% either way, measured) nor a disturbed timing rules one out.
+# a copy could pay at all (at full acceptance, which no copy reaches: 0.95-0.98 here), and a form is
+# ruled out only after a second look. Measured, an estimate fell within 25% of the whole copy's step
+# either way: a copy that would pay by a hair can still be ruled out, one that pays clearly is not.
 ESTIMATE_LAYERS = (4, 1)
 EVEN_IF = 0.9
 
@@ -181,9 +182,9 @@ def estimated_step(form: str, read_copy: Callable[..., CausalLM], num_layers: in
     """A decode step of the whole copy in ``form``, estimated from copies of its first four decoder
     layers and of its first (each with the embedding and LM head): the one-layer step, plus each
     further layer at the difference's share, the two timed in turn. In a server's first starts on an
-    idle Xeon: int8 copies estimated at 21.1-27.2 ms where whole ones stepped in 22.3-26.8,
-    bfloat16 ones at 37.3-42.4 ms where whole ones stepped in 37.6-44.0. The bfloat16 copies run
-    under a plan measured on the larger one (the same shapes)."""
+    idle Xeon: int8 copies estimated at 19.0-27.2 ms where whole ones stepped in 22.3-26.8 (one
+    start: 19.0 against 25.4), bfloat16 ones at 37.3-42.4 ms where whole ones stepped in 37.6-44.0.
+    The bfloat16 copies run under a plan measured on the larger one (the same shapes)."""
     counts = sorted({min(layers, num_layers) for layers in ESTIMATE_LAYERS}, reverse=True)
     models, plan = {}, None
     for layers in counts:
