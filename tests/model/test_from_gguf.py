@@ -144,6 +144,26 @@ def test_the_file_reader_reads_what_the_gguf_package_reads():
     assert config_differences(model_config(mine), path.parent, path.name) == {}
 
 
+def test_a_copy_read_a_block_of_rows_at_a_time_holds_the_whole_reads_values(tmp_path, monkeypatch):
+    """A bfloat16 copy dequantizes each matrix a block of rows at a time (never a whole table in
+    float32): blocks of 5 rows here, on a file whose q and k rows are reordered as they are read;
+    every parameter equals the whole tensor read to float32 and rounded. A copy of the first layer
+    reads only that layer."""
+    import engine.model.from_gguf as from_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_model(path, "llama", 64, 4, 2, tied=False)
+    monkeypatch.setattr(from_gguf, "ROW_BLOCK", 10**9)  # each matrix in one block: the whole read
+    whole = read_gguf_target(GGUFFile(path), torch.float32)[0]
+    monkeypatch.setattr(from_gguf, "ROW_BLOCK", 5)
+    copy = read_gguf_target(GGUFFile(path), torch.bfloat16)[0]
+    for (name, mine), (_, theirs) in zip(copy.named_parameters(), whole.named_parameters(), strict=True):
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine, theirs.to(torch.bfloat16)), name
+    first = read_gguf_target(GGUFFile(path), torch.bfloat16, layers=1)[0]
+    assert len(first.model.layers) == 1 and len(copy.model.layers) == 2
+    assert torch.equal(first.model.layers[0].mlp.down_proj.weight, copy.model.layers[0].mlp.down_proj.weight)
+
+
 @pytest.mark.parametrize("arch, pre", [("llama", "smollm"), ("qwen2", "qwen2"), ("qwen3", "qwen2")])
 def test_a_gguf_files_tokenizer_is_the_one_auto_tokenizer_makes(tmp_path, arch, pre):
     """``load_tokenizer`` makes a GGUF file's tokenizer without AutoTokenizer's config detour; the
