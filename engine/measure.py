@@ -155,9 +155,7 @@ def choose_copy(
             release_freed_memory()
         read_seconds(model, 1, repeats=1)  # first-call costs
         step, agreements[form] = read_seconds(model, 1, repeats=3), agreement(model, target)
-        rates[form], k = max(
-            (expected_tokens(agreements[form], k) / (k * step + alone + k * per_row), k) for k in range(1, most + 1)
-        )
+        rates[form], k = max((_drafting_rate(agreements[form], step, alone, per_row, k), k) for k in range(1, most + 1))
         estimated = f", estimated {estimates[form] * 1e3:.1f}" if form in estimates else ""
         found[form] = (
             f"{form} (step {step * 1e3:.1f} ms{estimated}, agreement {agreements[form]:.3f}, "
@@ -211,8 +209,14 @@ def could_pay(step: float, alone: float, per_row: float, most: int) -> bool:
     """Whether a copy stepping in ``step`` (taken at EVEN_IF of it) could promise KEEP_MARGIN more
     than the target alone (a step of ``alone``, ``per_row`` more a verified draft) at some k up to
     ``most``, were every draft to pass: (k + 1) tokens for k draft steps and a verify of k rows."""
-    best = max((k + 1) / (k * step * EVEN_IF + alone + k * per_row) for k in range(1, most + 1))
+    best = max(_drafting_rate(1.0, step * EVEN_IF, alone, per_row, k) for k in range(1, most + 1))
     return best >= KEEP_MARGIN / alone
+
+
+def _drafting_rate(agreement: float, step: float, alone: float, per_row: float, k: int) -> float:
+    """Tokens a second drafting k a step with a copy stepping in ``step``: k draft steps and a
+    verify of k rows (the target's step ``alone`` plus ``per_row`` a row) per step."""
+    return expected_tokens(agreement, k) / (k * step + alone + k * per_row)
 
 
 def _kept_copy(
