@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .memory import release_freed_memory
+
 log = logging.getLogger(__name__)
 
 # GGML type ids the kernels decode: the embedded model's Q4_1 and Q8_0, and the formats users' files come in
@@ -302,10 +304,11 @@ def offer_blocks(model, file: FileTensors, repack: Callable[[dict], tuple[dict, 
         found, line = match_blocks(file, model.hf_model, products)
     except BlocksUnavailable as error:
         found, line = {}, f"float32 products: {error}"
+    file.tensors.clear()  # before a repack, so that each product's file blocks can go as it is repacked
     if repack is not None and found:
+        release_freed_memory()  # what matching left (the file's q, k and v before stacking): not under a repack's peak
         found, note = repack(found)
         line += f"; {note}"
-    file.tensors.clear()
     log.info("GGUF blocks: %s", line)
     model.weights.offer_blocks(found, line)
 

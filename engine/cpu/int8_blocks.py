@@ -11,6 +11,7 @@ import time
 import torch
 
 from .blocks import FORMATS, INT8_FORMATS, INT8_Q4, INT8_Q8, INT8_ROWS, BlockPart, BlockWeight, kernel_isa
+from .memory import release_freed_memory
 
 
 def int8_weight(weight: BlockWeight) -> BlockWeight:
@@ -37,21 +38,37 @@ def int8_part(part: BlockPart, in_features: int) -> BlockPart | None:
     [O / 16, 576 * I / 32] (INT8_Q8: q + 128, m = -128 d) uint8."""
     if not repackable(part):
         return None
-    num_groups, num_blocks = part.rows // INT8_ROWS, in_features // 32
-    blocks = part.blocks.view(part.rows, num_blocks, -1)  # [O, B, block bytes]
+    # a slice of rows at a time: the temporaries of a whole LM head would hold several times its size
+    group_bytes = (576 if part.format == FORMATS["Q8_0"] else 320) * (in_features // 32)
+    packed = torch.empty(part.rows // INT8_ROWS, group_bytes, dtype=torch.uint8)  # [O / 16, group bytes]
+    for row in range(0, part.rows, ROW_SLICE):
+        groups = _repacked_rows(part.blocks[row : row + ROW_SLICE], part.format, in_features)
+        if groups is None:
+            return None
+        packed[row // INT8_ROWS : row // INT8_ROWS + groups.shape[0]] = groups
+    return BlockPart(packed, INT8_Q8 if part.format == FORMATS["Q8_0"] else INT8_Q4)
+
+
+ROW_SLICE = 4096  # rows repacked at a time (a multiple of INT8_ROWS)
+
+
+def _repacked_rows(rows: torch.Tensor, format: int, in_features: int) -> torch.Tensor | None:
+    """``int8_part``'s bytes for ``rows`` [O, row bytes] of ``format``: [O / 16, group bytes] uint8."""
+    num_groups, num_blocks = rows.shape[0] // INT8_ROWS, in_features // 32
+    blocks = rows.view(rows.shape[0], num_blocks, -1)  # [O, B, block bytes]
     scale = blocks[..., 0:2].contiguous()  # [O, B, 2] float16 bytes
-    if part.format == FORMATS["Q4_1"]:
+    if format == FORMATS["Q4_1"]:
         shift, nibbles = blocks[..., 2:4], blocks[..., 4:20]
     else:  # Q4_0 and Q8_0: w = d * (q - offset) = d * q + m with m = -offset * d
-        offset, nibbles = (8, blocks[..., 2:18]) if part.format == FORMATS["Q4_0"] else (128, None)
+        offset, nibbles = (8, blocks[..., 2:18]) if format == FORMATS["Q4_0"] else (128, None)
         shift_values = scale.view(torch.float16) * -offset  # [O, B, 1]
         if not torch.isfinite(shift_values).all():  # a scale too large for m in float16
             return None
         shift = shift_values.view(torch.uint8)
     if nibbles is not None:
         values = torch.cat([nibbles & 15, nibbles >> 4], -1)  # [O, B, 32]: the block's inputs in order
-    else:
-        values = (blocks[..., 2:34].contiguous().view(torch.int8).int() + 128).to(torch.uint8)  # [O, B, 32]
+    else:  # q + 128 as a byte: an int8's two's-complement byte with its top bit flipped
+        values = blocks[..., 2:34] ^ 128  # [O, B, 32]
     # [G, row, B, k, j] -> [G, B, k, row, j]: input 4 k + j of each row, rows lane by lane
     values = values.view(num_groups, INT8_ROWS, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [G, B, 8, 16, 4]
     if nibbles is not None:  # operands 2 s and 2 s + 1 in one byte
@@ -63,15 +80,17 @@ def int8_part(part: BlockPart, in_features: int) -> BlockPart | None:
         )
 
     packed = torch.cat([values.reshape(num_groups, num_blocks, -1), by_lane(scale), by_lane(shift)], -1)
-    return BlockPart(packed.reshape(num_groups, -1).contiguous(), INT8_Q4 if nibbles is not None else INT8_Q8)
+    return packed.reshape(num_groups, -1).contiguous()
 
 
 FASTER = 0.97  # int8 activations are chosen where their products take at most this share of float32's time
 
 
 def int8_activations(found: dict) -> tuple[dict, str]:
-    """``offer_blocks``' repack for ``--activations int8``: every product that can be, repacked."""
-    found = {key: int8_weight(weight) for key, weight in found.items()}
+    """``offer_blocks``' repack for ``--activations int8``: every product that can be, repacked, one at
+    a time in place (each weight's file blocks go as its repacked ones come)."""
+    for key, weight in found.items():
+        found[key] = int8_weight(weight)
     repacked = sum(all(part.format in INT8_FORMATS for part in weight.parts) for weight in found.values())
     note = f"int8 activations in {repacked}/{len(found)} (Q4_0, Q4_1 and Q8_0 blocks; the rest float32)"
     if not torch.ops.specserve.blocks_has_vnni():
@@ -98,11 +117,13 @@ def held_activations(model) -> str:
 def faster_activations(found: dict, rows: tuple[int, ...] = (1, 5), repeats: int = 7) -> tuple[str, str]:
     """Time the model's largest product with float32 and with int8 activations, at a decode step's
     rows and a verify's, best of ``repeats`` each, taking turns; -> ("int8" or "float32", a line
-    saying what was measured). float32 where no product can be repacked."""
-    candidates = [weight for weight in found.values() if any(repackable(part) for part in weight.parts)]
+    saying what was measured). float32 where no product can be repacked. Where int8 is chosen, the
+    product timed is left repacked in ``found`` (not repacked twice)."""
+    candidates = [key for key, weight in found.items() if any(repackable(part) for part in weight.parts)]
     if not candidates:
         return "float32", "activations auto: float32 (no Q4_0, Q4_1 or Q8_0 product to repack)"
-    weight = max(candidates, key=lambda weight: weight.nbytes)
+    key = max(candidates, key=lambda key: found[key].nbytes)
+    weight = found[key]
     forms = {"float32": weight, "int8": int8_weight(weight)}
     best = dict.fromkeys(forms, float("inf"))
     inputs = [torch.randn(n, weight.in_features) for n in rows]
@@ -115,4 +136,8 @@ def faster_activations(found: dict, rows: tuple[int, ...] = (1, 5), repeats: int
                 best[name] = min(best[name], time.perf_counter() - started)
     ratio = best["int8"] / best["float32"]
     chosen = "int8" if ratio <= FASTER else "float32"
+    if chosen == "int8":
+        found[key] = forms["int8"]
+    del forms, weight
+    release_freed_memory()  # the form not kept, and the timing's temporaries
     return chosen, f"activations auto: {chosen} (int8 products measured at {ratio:.2f}x float32's here)"

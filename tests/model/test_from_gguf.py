@@ -226,7 +226,9 @@ def test_a_target_only_start_up_holds_the_blocks_and_not_the_compilers():
     """The embedded target, loaded as the server loads it and run once: transformers' modeling code
     (torch._dynamo, 200 MB) and config classes (torch's distributed tensors, 60 MB) stay out, and so
     does xgrammar until a request needs it; the peak is what the blocks and the libraries need,
-    within issue 51's 500 MB (it was 1.5 GB when the model was first dequantized to float32)."""
+    within issue 51's 500 MB (it was 1.5 GB when the model was first dequantized to float32; 701 MB
+    when the default's int8 repack held the file's blocks, their repacked copy and a whole LM head's
+    temporaries at once)."""
     script = """
 import json, sys
 import server.app  # the server's libraries, as a server holds them
