@@ -10,10 +10,9 @@ TARGET_ONLY = "serve:none"
 DEFAULT = "serve:default"
 HF_GENERATE = "hf:generate"
 LLAMA_CPP = "llama.cpp"
-# a second server on the same file with --activations int8 (llama.cpp's arithmetic), up beside the first
-INT8 = "serve-int8:"
-INT8_TARGET_ONLY, INT8_DEFAULT = f"{INT8}none", f"{INT8}default"
-INT8_RATIOS = ("int8_target_only_vs_target_only", "int8_default_vs_int8_target_only", "int8_target_only_vs_llama_cpp")
+# a second server on the same file with the activations the first did not take, up beside it:
+# "serve-float32:none" beside a server that took int8, "serve-int8:none" beside one that took float32
+OTHER = "serve-"
 # issue 13's targets, per prompt type unless named; best_vs_target_only only on the types listed
 GOALS = {"default_vs_target_only": 1.0, "default_vs_best_hf": 1.2, "best_vs_target_only": 2.0}
 GOAL_TWO_X_TYPES = ("code", "summarise", "long", "agentic")
@@ -90,9 +89,10 @@ def summarise(configs: list, runs: dict[str, dict[str, list]], bound_s: float) -
     results: dict[str, dict[str, dict]] = {}
     for kind, by_label in runs.items():
         reference = by_label.get(TARGET_ONLY) or by_label.get(HF_GENERATE)
-        int8_reference = by_label.get(INT8_TARGET_ONLY)  # another target: its drafters keep its own output
+        other = _other(by_label)  # another target: its drafters keep its own output
+        other_reference = by_label.get(f"{other}:none")
         results[kind] = {
-            label: _metrics(kind_runs, int8_reference if label.startswith(INT8) else reference, bound_s)
+            label: _metrics(kind_runs, other_reference if label.startswith(f"{other}:") else reference, bound_s)
             for label, kind_runs in by_label.items()
         }
         base = results[kind].get(HF_GENERATE, {}).get("decode_tokens_per_s")
@@ -141,7 +141,7 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         if LLAMA_CPP in metrics:
             entry["default_vs_llama_cpp"] = round(default / _speed(metrics, LLAMA_CPP), 3)
             entry["target_only_vs_llama_cpp"] = round(own / _speed(metrics, LLAMA_CPP), 3)
-        entry |= _int8_ratios(metrics, own)
+        entry |= _other_ratios(metrics, own)
         goals = GOALS if kind in GOAL_TWO_X_TYPES else {k: v for k, v in GOALS.items() if k != "best_vs_target_only"}
         entry["met"] = {name: entry[name] >= goal for name, goal in goals.items() if name in entry}
         targets[kind] = entry
@@ -149,23 +149,43 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         by_type = [entry for kind, entry in targets.items() if sampled_at(kind) is None] or list(targets.values())
         geomean = round(statistics.geometric_mean([entry["default_vs_target_only"] for entry in by_type]), 3)
         targets["all"] = {"default_vs_target_only_geomean": geomean, "met": geomean >= GOAL_DEFAULT_GEOMEAN}
-        for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp", *INT8_RATIOS):  # the same file, threads
+        other = _other_name(by_type[0])
+        ratios = [f"{other}_{name}" for name in OTHER_RATIOS] if other else []
+        for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp", *ratios):  # the same file, threads
             if all(name in entry for entry in by_type):
                 targets["all"][f"{name}_geomean"] = round(statistics.geometric_mean([e[name] for e in by_type]), 3)
     return targets
 
 
-def _int8_ratios(metrics: dict[str, dict], own: float) -> dict[str, float]:
-    """The int8 target beside the float32 one (same file, same run): its target-only over float32's,
-    its default over its own target-only, and its target-only over llama.cpp; what was measured."""
-    if INT8_TARGET_ONLY not in metrics:
+def _other(metrics: dict) -> str | None:
+    """The second server's label stem in a type's runs ("serve-float32"), if it ran."""
+    return next((label.partition(":")[0] for label in metrics if label.startswith(OTHER)), None)
+
+
+# the second server's ratios, named after its activations ("float32_target_only_vs_target_only")
+OTHER_RATIOS = ("target_only_vs_target_only", "default_vs_own_target_only", "target_only_vs_llama_cpp")
+
+
+def _other_name(entry: dict) -> str | None:
+    """The activations of the second server whose ratios ``entry`` holds ("float32"), if any."""
+    return next(
+        (name for name, _, rest in (key.partition("_") for key in entry) if rest.startswith(OTHER_RATIOS[0])), None
+    )
+
+
+def _other_ratios(metrics: dict[str, dict], own: float) -> dict[str, float]:
+    """The other target beside the first server's (same file, same run): its target-only over the
+    first's, its default over its own target-only, and its target-only over llama.cpp; what was
+    measured, named after its activations."""
+    other = _other(metrics)
+    if other is None or f"{other}:none" not in metrics:
         return {}
-    int8_own = _speed(metrics, INT8_TARGET_ONLY)
-    ratios = {"int8_target_only_vs_target_only": round(int8_own / own, 3)}
-    if INT8_DEFAULT in metrics:
-        ratios["int8_default_vs_int8_target_only"] = round(_speed(metrics, INT8_DEFAULT) / int8_own, 3)
+    name, other_own = other[len(OTHER) :], _speed(metrics, f"{other}:none")
+    ratios = {f"{name}_target_only_vs_target_only": round(other_own / own, 3)}
+    if f"{other}:default" in metrics:
+        ratios[f"{name}_default_vs_own_target_only"] = round(_speed(metrics, f"{other}:default") / other_own, 3)
     if LLAMA_CPP in metrics:
-        ratios["int8_target_only_vs_llama_cpp"] = round(int8_own / _speed(metrics, LLAMA_CPP), 3)
+        ratios[f"{name}_target_only_vs_llama_cpp"] = round(other_own / _speed(metrics, LLAMA_CPP), 3)
     return ratios
 
 
@@ -284,16 +304,18 @@ def summary(report: dict, full_tables: str) -> str:
             f"{every['target_only_vs_llama_cpp_geomean']:.2f}x, default {every['default_vs_llama_cpp_geomean']:.2f}x.",
         ]
     every = targets.get("all", {})
-    if "int8_target_only_vs_target_only_geomean" in every:
+    other = _other_name(every)
+    if other and f"{other}_target_only_vs_target_only_geomean" in every:
+        first = report.get("server_activations") or "the default's"
         line = (
-            "With int8 activations (`--activations int8`, llama.cpp's arithmetic on the same blocks; a second server "
-            "up beside the first, the two taking turns), geometric means: target-only "
-            f"{every['int8_target_only_vs_target_only_geomean']:.2f}x float32 target-only"
+            f"The default server's target multiplies {first} activations; with {other} ones (`--activations {other}`, "
+            "the same blocks; a second server up beside the first, the two taking turns), geometric means: "
+            f"target-only {every[f'{other}_target_only_vs_target_only_geomean']:.2f}x {first} target-only"
         )
-        if "int8_default_vs_int8_target_only_geomean" in every:
-            line += f", its default {every['int8_default_vs_int8_target_only_geomean']:.2f}x its target-only"
-        if "int8_target_only_vs_llama_cpp_geomean" in every:
-            line += f", its target-only {every['int8_target_only_vs_llama_cpp_geomean']:.2f}x llama.cpp"
+        if f"{other}_default_vs_own_target_only_geomean" in every:
+            line += f", its default {every[f'{other}_default_vs_own_target_only_geomean']:.2f}x its target-only"
+        if f"{other}_target_only_vs_llama_cpp_geomean" in every:
+            line += f", its target-only {every[f'{other}_target_only_vs_llama_cpp_geomean']:.2f}x llama.cpp"
         lines += ["", line + "."]
     for name, why in report.get("refused", {}).items():
         lines += ["", f"serve:{name}: not measured; the server refused it ({why})."]

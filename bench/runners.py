@@ -269,6 +269,7 @@ class ServerRunner:
         self.client = httpx.Client(base_url=self.base, timeout=600)
         self._startup_timeout = startup_timeout
         self.draft: str | None = None  # what /v1/models says the server loaded, once it is ready
+        self.activations: str | None = None  # and what its target's products multiply ("float32", "int8")
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self._startup_timeout
@@ -277,7 +278,8 @@ class ServerRunner:
                 raise RuntimeError(f"the server exited with {self.process.returncode}; see {self._log.name}")
             try:
                 if self.client.get("/health").status_code == 200:
-                    self.draft = self.client.get("/v1/models").json()["data"][0].get("draft")
+                    card = self.client.get("/v1/models").json()["data"][0]
+                    self.draft, self.activations = card.get("draft"), card.get("activations")
                     return
             except httpx.TransportError:
                 pass

@@ -8,9 +8,11 @@ Configurations, run in interleaved order so machine noise hits all alike:
   llama.cpp (llama-cpp-python on the same GGUF file, same thread count), when it imports;
   serve:default (no speculative settings: the server's default), serve:<drafter>[+adaptive],
   through a ``specserve serve`` subprocess's streaming API (SSE);
-  serve-int8:none and serve-int8:default (``--int8-drafters``), a second server on the same file
-  with ``--activations int8``, started once the first is ready and then up beside it: the int8
-  and float32 targets side by side, their greedy outputs each checked against their own target-only;
+  serve-float32:none and serve-float32:default (``--other-drafters``), a second server on the same
+  file with the activations the first did not take (``--activations float32`` beside a default
+  server that took int8; serve-int8:* beside one that took float32), started once the first is ready
+  and then up beside it: the int8 and float32 targets side by side, their greedy outputs each
+  checked against their own target-only;
   engine:<drafter>[+adaptive], the engine in this process, to price the HTTP layer.
 Prompt types agentic and multi-turn are conversations run turn by turn, each turn's request
 carrying the assistant turns that configuration generated before; each configuration sends its
@@ -83,8 +85,8 @@ def configurations(args: argparse.Namespace) -> list[Config]:
         configs.append(Config(f"serve:{drafter}", "serve", drafter))
         if drafter in adaptive and drafter != "none":
             configs.append(Config(f"serve:{drafter}+adaptive", "serve", drafter, True))
-    for drafter in filter(None, args.int8_drafters.split(",")):
-        configs.append(Config(f"serve-int8:{drafter}", "serve-int8", drafter))
+    for drafter in filter(None, args.other_drafters.split(",")):
+        configs.append(Config(f"{args.other}:{drafter}", args.other, drafter))
     for name in filter(None, args.in_process.split(",")):
         drafter, _, suffix = name.partition("+")
         configs.append(Config(f"engine:{name}", "engine", drafter, suffix == "adaptive"))
@@ -112,7 +114,9 @@ def main() -> None:
     parser.add_argument("--serve-only", action="store_true", help="no HF or llama.cpp rows (sampled runs)")
     parser.add_argument("--server-args", default="", help="more `specserve serve` flags, e.g. '--gguf-blocks off'")
     parser.add_argument(
-        "--int8-drafters", default="none,default", help="through a second server with --activations int8 ('': none)"
+        "--other-drafters",
+        default="none,default",
+        help="through a second server with the activations the first did not take ('': none)",
     )
     args = parser.parse_args()
     args.repeats = args.repeats or 1
@@ -134,13 +138,13 @@ def main() -> None:
     server_args = ["--draft", args.draft, "--num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"]
     server_args += args.server_args.split()
     server = ServerRunner(server_args, logs_dir / f"{args.name}-server.log", temperature=args.temperature)
-    int8 = None
+    other = None
     try:
         # The server times its steps and its draft copies at start-up: loading models here meanwhile
         # would make those timings (and what they decide) the ones of a busy host.
         server.wait_ready()
         args.drafters, args.refused = served(server, "serve", args.drafters)
-        int8 = int8_server(args, server_args, logs_dir) if args.int8_drafters else None
+        other = other_server(args, server, server_args, logs_dir) if args.other_drafters else None
         # HF assisted drafts with a bfloat16 copy, its best; the in-process engine with args.draft,
         # built from its own copies (an engine owns its models: packing or quantizing frees the
         # weights as the checkpoint held them, which HF's own runs here still need)
@@ -155,8 +159,9 @@ def main() -> None:
             "hf": HFRunner(models.target, models.draft, models.tokenizer.eos_token_id),
             "engine": EngineRunner(engine),
             "serve": server,
-            "serve-int8": int8,
         }
+        if other is not None:
+            runners[args.other] = other
         args.llama_cpp = LlamaCppRunner.available() and engine_config.target is None
         if args.llama_cpp:
             runners["llama.cpp"] = LlamaCppRunner(embedded_gguf(), torch.get_num_threads())
@@ -174,8 +179,8 @@ def main() -> None:
         bandwidths.append(measure_read_bandwidth())
     finally:
         server.close()
-        if int8 is not None:
-            int8.close()
+        if other is not None:
+            other.close()
     print("read bandwidth GB/s: " + ", ".join(f"{b / 1e9:.1f}" for b in bandwidths), file=sys.stderr)
     final = report(args, models, engine, server, configs, runs, bandwidths)
     out.write_text(json.dumps(final, indent=2) + "\n")
@@ -188,21 +193,27 @@ def main() -> None:
     print(f"\nwrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')}", file=sys.stderr)
 
 
-def int8_server(args, server_args: list[str], logs_dir: Path) -> ServerRunner | None:
-    """The second server, int8 activations on the same file, once the first is ready (start-up
-    times what it decides: two starting together would time a busy host); None, with the reason
-    said and its configurations dropped, where it cannot serve (a target that is no GGUF file)."""
+def other_server(args, server: ServerRunner, server_args: list[str], logs_dir: Path) -> ServerRunner | None:
+    """The second server, on the same file with the activations ``server`` did not take (float32
+    beside int8, int8 beside float32), once the first is ready (start-up times what it decides: two
+    starting together would time a busy host); None, with the reason said and its configurations
+    dropped, where it cannot serve (int8 for a target that is no GGUF file). Its label, in
+    ``args.other``: "serve-float32" or "serve-int8"."""
+    activations = "float32" if server.activations == "int8" else "int8"
+    args.other = f"serve-{activations}"
     runner = ServerRunner(
-        [*server_args, "--activations", "int8"], logs_dir / f"{args.name}-server-int8.log", temperature=args.temperature
+        [*server_args, "--activations", activations],
+        logs_dir / f"{args.name}-server-{activations}.log",
+        temperature=args.temperature,
     )
     try:
         runner.wait_ready()
     except RuntimeError as exc:
         runner.close()
-        print(f"serve-int8: not measured ({exc})", file=sys.stderr)
-        args.int8_drafters = ""
+        print(f"{args.other}: not measured ({exc})", file=sys.stderr)
+        args.other_drafters = ""
         return None
-    args.int8_drafters, _ = served(runner, "serve-int8", args.int8_drafters)
+    args.other_drafters, _ = served(runner, args.other, args.other_drafters)
     return runner
 
 
@@ -244,10 +255,11 @@ def report(args, models, engine, server, configs: list[Config], runs: dict, band
                 "quick",
                 "temperature",
                 "server_args",
-                "int8_drafters",
+                "other_drafters",
             )
         },
         "server_draft": server.draft,  # what the server loaded (copy:auto's choice)
+        "server_activations": server.activations,  # what its target's products multiply (--activations auto's choice)
         "refused": args.refused,  # drafters the server would not run (no draft kept), and why
         "date": time.strftime("%Y-%m-%d"),
         **summarise(configs, runs, bound_s),

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -211,35 +213,37 @@ def test_a_sampled_type_runs_on_the_servers_alone_and_stays_out_of_the_greedy_me
     assert (tmp_path / "x.png").stat().st_size > 0
 
 
-def test_the_int8_target_is_checked_against_its_own_target_only_and_set_beside_the_float32_one():
+@pytest.mark.parametrize("first, other", [("int8", "float32"), ("float32", "int8")])
+def test_the_other_target_is_checked_against_its_own_target_only_and_set_beside_the_first(first, other):
+    """The second server takes the activations the default server did not (float32 beside int8,
+    int8 beside float32): its drafters are checked against its own target-only, and its ratios are
+    named after its activations."""
     runs = {
         kind: {
             "hf:generate": [_run(11, 1.0, "f")],  # 10 tokens/s
             "llama.cpp": [_run(11, 0.25, "f")],  # 40
             "serve:none": [_run(11, 0.5, "f", forwards=10)],  # 20
             "serve:default": [_run(11, 0.4, "f", forwards=5)],  # 25
-            "serve-int8:none": [_run(11, 0.4, "i", forwards=10)],  # 25: another target, another text
-            "serve-int8:default": [_run(11, seconds, "i" if kind == "chat" else "x", forwards=5)],
+            f"serve-{other}:none": [_run(11, 0.4, "i", forwards=10)],  # 25: another target, another text
+            f"serve-{other}:default": [_run(11, seconds, "i" if kind == "chat" else "x", forwards=5)],
         }
-        for kind, seconds in (("chat", 0.2), ("code", 0.1))  # int8 default 50 and 100
+        for kind, seconds in (("chat", 0.2), ("code", 0.1))  # the other's default 50 and 100
     }
     report = summarise([], runs, bound_s=0.01)
     chat, code = report["results"]["chat"], report["results"]["code"]
-    assert chat["serve-int8:none"]["greedy_identical"] and chat["serve-int8:default"]["greedy_identical"]
-    assert code["serve-int8:default"]["greedy_identical"] is False  # against int8 target-only's text, not float32's
+    assert chat[f"serve-{other}:none"]["greedy_identical"] and chat[f"serve-{other}:default"]["greedy_identical"]
+    assert code[f"serve-{other}:default"]["greedy_identical"] is False  # against its own target-only's text
     target = report["targets"]["chat"]
-    assert target["best"] == "serve:default"  # the int8 server's rows are not the float32 target's drafters
-    assert target["int8_target_only_vs_target_only"] == 1.25 and target["int8_default_vs_int8_target_only"] == 2.0
-    assert target["int8_target_only_vs_llama_cpp"] == 0.625
+    assert target["best"] == "serve:default"  # the other server's rows are not the first target's drafters
+    assert target[f"{other}_target_only_vs_target_only"] == 1.25
+    assert target[f"{other}_default_vs_own_target_only"] == 2.0
+    assert target[f"{other}_target_only_vs_llama_cpp"] == 0.625
     every = report["targets"]["all"]
-    assert every["int8_default_vs_int8_target_only_geomean"] == 2.828  # sqrt(2 * 4)
-    full = report_file(report)
-    assert "| serve-int8:default | 50.0 (2.50x) | 100.0 (5.00x) |" in tables(full)
+    assert every[f"{other}_default_vs_own_target_only_geomean"] == 2.828  # sqrt(2 * 4)
+    full = report_file(report, server_activations=first)
+    assert f"| serve-{other}:default | 50.0 (2.50x) | 100.0 (5.00x) |" in tables(full)
     short = summary(full, "x.md")
-    assert (
-        "target-only 1.25x float32 target-only, its default 2.83x its target-only, its target-only 0.62x llama.cpp"
-        in short
-    )
+    assert f"target-only 1.25x {first} target-only, its default 2.83x its target-only, its target-only 0.62x" in short
 
 
 def test_a_bench_saves_what_it_measured_after_every_round_and_says_how_far_it_got(tiny_model_dirs, tmp_path, capsys):
