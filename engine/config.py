@@ -65,9 +65,9 @@ class EngineConfig:
     # A GGUF target on CPU may hold its products as the file's own quantized blocks, multiplied in
     # float32 by engine/cpu/csrc's kernels, where the matmul plan measures them faster (engine/cpu/blocks.py)
     gguf_blocks: bool = True
-    # one of ACTIVATIONS; "int8" needs gguf_blocks. float32 by default: at the embedded model's defaults the int8
-    # target's answer to the README's question ended briefly for 5 of seeds 0-9, the float32 target's for all 10
-    activations: str = "float32"
+    # one of ACTIVATIONS; "int8" needs gguf_blocks. "auto": int8 where start-up measures it faster (a GGUF
+    # target on CPU with the kernels built), else float32 (docs/internals.md#int8-activations)
+    activations: str = "auto"
     # CPU matmul plans (engine/cpu/plan_cache.py): "cached" reads the plan stored for this host and model
     # where there is one (else measures and stores it), "measure" measures and replaces it;
     # plan_cache is the folder (None: $XDG_CACHE_HOME/specserve/matmul-plans, ~/.cache/... where unset)

@@ -19,7 +19,7 @@ import torch
 from .adaptive import AdaptiveK, StepCosts
 from .config import NO_DRAFTER, EngineConfig, dtype_name
 from .drafters import Drafter, DrafterSet, DraftResources, Proposal
-from .model.loader import generation_defaults
+from .model.loader import default_system, generation_defaults
 from .model.model import CausalLM
 from .model.prefix_store import BLOCK, PrefixStore, positional
 from .model.slots import Slot, SlotTable
@@ -132,6 +132,7 @@ class SpecEngine:
             warm_up=self.warm_up_report,
             system_fingerprint=self.system_fingerprint,
             generation_defaults=generation_defaults(self.target.hf_model, embedded=self.config.target is None),
+            default_system=default_system(embedded=self.config.target is None),
         )
 
     def reset(self) -> None:

@@ -87,6 +87,8 @@ class EngineDescription:
     drafter_models: dict[str, str] = field(default_factory=dict)
     # request defaults the model's generation config sets, by request field ("temperature", "max_tokens", ...)
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
+    # the system message a chat request that sends none is given (None: the chat template's own)
+    default_system: str | None = None
 
     @property
     def runnable_drafters(self) -> list[str]:

@@ -223,7 +223,7 @@ def create_app(load: Callable[[], LoadedEngine], settings: ServeSettings | None 
             generation_defaults=settings.generation_config == "auto",
         )
         app.state.serving = Serving.over(core)
-        log.info("%s", startup_summary(engine.description, name, settings, app.state.tenancy, core.defaults))
+        log.info("%s", startup_summary(engine.description, name, settings, app.state.tenancy, core))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -264,7 +264,7 @@ INT8_TARGET = (
 
 
 def startup_summary(
-    engine: EngineDescription, name: str, settings: ServeSettings, tenancy: Tenancy, defaults: dict
+    engine: EngineDescription, name: str, settings: ServeSettings, tenancy: Tenancy, core: ServingCore
 ) -> str:
     """One line saying what runs where: models, device, dtype, drafter, k, memory, URL."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux reports kB)
@@ -281,14 +281,16 @@ def startup_summary(
         f"{engine.max_num_seqs} slots (allocated on first use), prefix store up to "
         f"{engine.prefix_store_bytes / 2**30:.1f} GB, peak RSS {rss:,.0f} MB"
         + (f" | {engine.warm_up}" if engine.warm_up else "")
-        + f" | {_request_defaults(defaults)}"
+        + f" | {_request_defaults(core.defaults, core.system)}"
         + f" | {tenancy.describe()}"
     )
 
 
-def _request_defaults(defaults: dict) -> str:
-    """What a request that sets nothing gets (``ServingCore.defaults``), and where that comes from."""
-    if defaults:
-        given = ", ".join(f"{key} {value:g}" for key, value in defaults.items())
-        return f"request defaults from the model's generation config: {given} (--generation-config none: OpenAI's)"
+def _request_defaults(defaults: dict, system: str | None) -> str:
+    """What a request that sets nothing gets (``ServingCore.defaults``, ``.system``), and where that comes from."""
+    given = [f"{key} {value:g}" for key, value in defaults.items()]
+    if system:
+        given.append(f"system message {system!r} where a chat request sends none")
+    if given:
+        return f"request defaults from the model's generation config: {', '.join(given)} (--generation-config none: OpenAI's)"
     return "request defaults: OpenAI's (temperature 1, chat to the end of the context)"

@@ -50,7 +50,7 @@ class ChatServing:
         """The prompt's token ids, and warnings for the client (tools the chat template leaves out)."""
         if not self.core.tokenizer.chat_template:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
-        messages = [message.template_dict() for message in body.messages]
+        messages = self.core.template_messages(body.messages)
         without_calls = [{k: v for k, v in message.items() if k != "tool_calls"} for message in messages]
         render = self.core.tokenizer.apply_chat_template
         try:

@@ -23,7 +23,7 @@ from .choices import Choice, TextDelta, TokenPiece
 from .detokenizer import IncrementalDetokenizer, TextStream, TokenBytes
 from .errors import BadRequest, EngineUnavailable, InternalError, ModelNotFound, OpenAIError, RequestTimeout
 from .metrics import Metrics
-from .protocol import DetokenizeRequest, TokenizeRequest, _Request
+from .protocol import ChatMessage, DetokenizeRequest, TokenizeRequest, _Request
 from .responses import DetokenizeResponse, TokenizeResponse, new_id, now
 
 MAX_STOP_STRINGS = 4
@@ -46,8 +46,9 @@ class ServingCore:
         generation_defaults: bool = True,
     ) -> None:
         """``generation_defaults``: requests that leave a sampling field (or chat's length) unset get
-        the model's generation config's value (``EngineDescription.generation_defaults``), as in vLLM;
-        else OpenAI's defaults."""
+        the model's generation config's value (``EngineDescription.generation_defaults``), as in vLLM,
+        and a chat request that sends no system message the model's default one, where it has one
+        (``EngineDescription.default_system``); else OpenAI's defaults and the template's own."""
         self.engine = engine
         self.request_timeout = request_timeout
         self.tokenizer = tokenizer
@@ -56,6 +57,7 @@ class ServingCore:
         self.description = engine.description  # the loaded engine's: vocabulary, context, drafters
         self.fingerprint = self.description.system_fingerprint or None
         self.defaults = dict(self.description.generation_defaults) if generation_defaults else {}
+        self.system = self.description.default_system if generation_defaults else None
         self.vocab_size = self.description.vocab_size
         self.token_bytes = TokenBytes(tokenizer)
 
@@ -174,6 +176,14 @@ class ServingCore:
 
     # ---- /tokenize, /detokenize ---------------------------------------------------------------
 
+    def template_messages(self, messages: list[ChatMessage]) -> list[dict]:
+        """Chat messages as the chat template gets them: after the model's default system message
+        (``system``) where they carry no system or developer message of their own."""
+        given = [message.template_dict() for message in messages]
+        if self.system is None or any(message["role"] in ("system", "developer") for message in given):
+            return given
+        return [{"role": "system", "content": self.system}, *given]
+
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -181,9 +191,8 @@ class ServingCore:
         if body.prompt is not None:
             tokens = self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         else:
-            messages = [message.template_dict() for message in body.messages]
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+                self.template_messages(body.messages), add_generation_prompt=body.add_generation_prompt, tokenize=False
             )
             tokens = self.tokenizer(text, add_special_tokens=False).input_ids
         return TokenizeResponse(count=len(tokens), max_model_len=self.description.max_model_len, tokens=tokens)

@@ -133,8 +133,9 @@ class ServeSettings(BaseSettings):
         default="auto",
         description="auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "
         "(chat) its length unset gets the model's generation config's value, as in vLLM (the embedded "
-        "model: temperature 0.1, top_p 0.9, repetition_penalty 1.1, 512 tokens); none: OpenAI's defaults (temperature 1, chat to "
-        "the end of the context)",
+        "model: temperature 0.1, top_p 0.9, repetition_penalty 1.1, 512 tokens, and a system message asking for short, direct "
+        "answers where a chat request sends none); none: OpenAI's defaults (temperature 1, chat to the end of the "
+        "context) and the chat template's own system message",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="prompts are logged at debug only"

@@ -160,10 +160,10 @@ def test_default_model_serves_greedy_chat_in_half_precision(tmp_path):
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         for speculative in ({}, {"drafter": "eagle3"}, {"drafter": "none"}):
             response = client.chat.completions.create(
-                model="", messages=messages, max_tokens=20, temperature=0, extra_body={"speculative": speculative}
+                model="", messages=messages, max_tokens=64, temperature=0, extra_body={"speculative": speculative}
             )
             assert "Paris" in response.choices[0].message.content
-            assert response.choices[0].finish_reason == "stop"
+            assert response.choices[0].finish_reason == "stop", response.choices[0].message.content
         assert response.usage.model_extra["speculative"]["drafter"] == "none"
     finally:
         stop_server(server)
@@ -207,13 +207,32 @@ def test_a_request_that_sets_nothing_gets_the_models_defaults_and_ends(default_s
     tokens), which the start-up line names, instead of temperature 1 to the end of the context."""
     log = default_server.log.read_text()
     assert (
-        "request defaults from the model's generation config: temperature 0.1, top_p 0.9, repetition_penalty 1.1, max_tokens 512"
-        in log
+        "request defaults from the model's generation config: temperature 0.1, top_p 0.9, repetition_penalty 1.1, "
+        "max_tokens 512, system message 'You are a helpful assistant. Give short, direct answers.'" in log
     )
     client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
     reply = client.chat.completions.create(model="", messages=messages)
     assert reply.usage.completion_tokens <= 512 and reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_chat_request_without_a_system_message_is_given_the_models_default_one(default_server):
+    """The embedded model's default system message (docs/api.md#defaults) replaces its template's own
+    where a request sends none; a request's own system message is the only one the model is told."""
+    from engine.model.loader import EMBEDDED_SYSTEM
+
+    def tokens(messages: list[dict]) -> list[int]:
+        return httpx.post(f"{default_server.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+
+    question = {"role": "user", "content": "What is the capital of France?"}
+    told = tokens([question])
+    assert told == tokens([{"role": "system", "content": EMBEDDED_SYSTEM}, question])
+    client = OpenAI(base_url=default_server.v1, api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model="", messages=[question], max_tokens=1)
+    assert reply.usage.prompt_tokens == len(told)
+    own = {"role": "system", "content": "You are a pirate."}
+    text = httpx.post(f"{default_server.url}/detokenize", json={"tokens": tokens([own, question])}, timeout=30).json()
+    assert "pirate" in text["prompt"] and EMBEDDED_SYSTEM not in text["prompt"] and "SmolLM" not in text["prompt"]
 
 
 def test_tools_the_template_leaves_out_are_reported(default_server):
@@ -248,9 +267,9 @@ def test_tool_calls_the_template_leaves_out_are_reported(default_server):
 
 def test_the_readmes_first_request_answers_briefly_at_the_defaults(default_server):
     """Verbatim but not streamed, sent with seeds 0 to 9 so that the test repeats (a seed decides the
-    text): the embedded model's defaults (docs/api.md#defaults) give a short right answer that ends
-    by itself (at its model card's defaults it rambled half the time). Unseeded, about 1 send in 15
-    starts "L'Étoile" and misses Paris (docs/api.md#defaults)."""
+    text): the embedded model's defaults (docs/api.md#defaults: sampling fields and a system message)
+    give a short right answer that ends by itself (at its model card's defaults it rambled half the
+    time; on the int8 target with the template's system message, more than half)."""
     block = next(block for block in readme_blocks("bash") if block.startswith("curl"))
     body = json.loads(block.split("-d '", 1)[1].rsplit("'", 1)[0])
     assert body["messages"][0]["content"] == "What is the capital of France?" and set(body) == {
@@ -265,8 +284,8 @@ def test_the_readmes_first_request_answers_briefly_at_the_defaults(default_serve
     for seed in range(10):
         reply = httpx.post(f"{default_server.v1}/chat/completions", json={**body, "seed": seed}, timeout=120).json()
         choice = reply["choices"][0]
-        good.append(
-            "Paris" in choice["message"]["content"]
+        good.append(  # says what the capital is: "Le Grand Paris, la femme de la France - ..." names Paris and ends
+            "capital of france is paris" in choice["message"]["content"].lower()
             and choice["finish_reason"] == "stop"
             and reply["usage"]["completion_tokens"] <= 64
         )

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,6 +65,7 @@ MORE = {  # asked by name only (--candidates): the chosen defaults with a penalt
 }
 WITHIN = 64  # tokens an answer must end within
 CAP = 256  # how far a sample may run, to see how long the ramblers go
+OPENING = 40  # characters of an answer's opening counted alike
 
 
 def main() -> None:
@@ -90,6 +92,7 @@ def main() -> None:
         for question, expected in QUESTIONS[: args.questions]:
             prompt = chat_ids(tokenizer, [*opening, {"role": "user", "content": question}])
             counts = {"good": 0, "right": 0, "ended": 0, "ended_within_cap": 0, "tokens": []}
+            openings = Counter()  # how answers begin: a count can be good by naming the word in nonsense
             samples = 1 if fields["temperature"] == 0 else args.samples
             for seed in range(args.first_seed, args.first_seed + samples):
                 params = SamplingParams(max_tokens=CAP, seed=seed, **fields)
@@ -105,7 +108,9 @@ def main() -> None:
                 counts["ended_within_cap"] += finish == "stop"
                 counts["good"] += right and ended
                 counts["tokens"].append(len(ids))
+                openings[text[:OPENING]] += 1
             counts["samples"] = samples
+            counts["openings"] = dict(openings.most_common(3))
             counts["example"] = text[:160]
             per_question[question] = counts
         total = sum(q["samples"] for q in per_question.values())

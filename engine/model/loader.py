@@ -47,6 +47,14 @@ GENERATION_FIELDS = {
 # 135M model drifts into nonsense, and a reply with no length limit ran to the end of a 4,096-token
 # context (9 minutes on 2 cores): 512 tokens ends that.
 EMBEDDED_GENERATION = {"temperature": 0.1, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 512}
+# The embedded model's system message where a chat request sends none, in place of its template's
+# own ("You are a helpful AI assistant named SmolLM, trained by Hugging Face"), as Ollama's model
+# files carry one. Chosen by measurement (bench/studies/defaults.py --system, docs/api.md#defaults):
+# over seven plain questions, 20 seeds each, brief right answers 69/140 -> 116/140 on the float32
+# target and 57/140 -> 122/140 on the int8 one; the README's question 56/60 and 27/60 -> 60/60 on both.
+# "Answer in one or two sentences." scored well too, but by opening every answer "Le Grand Paris, la
+# femme de la France - ..." (Paris named, ended: counted good), so the openings were read as well.
+EMBEDDED_SYSTEM = "You are a helpful assistant. Give short, direct answers."
 
 
 class VocabularyMismatch(ConfigError):
@@ -292,6 +300,11 @@ def copy_of_first_layers(model: torch.nn.Module, layers: int | None = None) -> t
         return copy.deepcopy(model)
     finally:
         body.layers, model.config = every, config
+
+
+def default_system(embedded: bool) -> str | None:
+    """The system message a chat request that sends none is given (None: the template's own)."""
+    return EMBEDDED_SYSTEM if embedded else None
 
 
 def generation_defaults(model: torch.nn.Module, embedded: bool) -> dict[str, float | int]:
