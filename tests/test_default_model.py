@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-from tests.conftest import REPO, compose_environment, start_server, stop_server
+from tests.conftest import EMBEDDED_FLOAT32, REPO, compose_environment, start_server, stop_server
 from tests.faults import fault_marker
 
 pytestmark = pytest.mark.slow
@@ -233,6 +233,33 @@ def test_a_chat_request_without_a_system_message_is_given_the_models_default_one
     own = {"role": "system", "content": "You are a pirate."}
     text = httpx.post(f"{default_server.url}/detokenize", json={"tokens": tokens([own, question])}, timeout=30).json()
     assert "pirate" in text["prompt"] and EMBEDDED_SYSTEM not in text["prompt"] and "SmolLM" not in text["prompt"]
+
+
+def test_generation_config_none_leaves_the_templates_own_system_message(embedded):
+    """``--generation-config none`` (OpenAI's defaults): no default system message, the template's own."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.model.loader import EMBEDDED_SYSTEM
+    from server.metrics import Metrics
+    from server.protocol import TokenizeRequest
+    from server.serving import ServingCore
+
+    loaded = embedded(**EMBEDDED_FLOAT32)
+    client = AsyncEngine(lambda: loaded.engine)
+    try:
+        asyncio.run(client.ready())
+        question = TokenizeRequest(messages=[{"role": "user", "content": "What is the capital of France?"}])
+        for model_defaults, told in ((True, EMBEDDED_SYSTEM), (False, "named SmolLM, trained by Hugging Face")):
+            core = ServingCore(client, loaded.tokenizer, "m", Metrics(queue_depth=lambda: 0), None, model_defaults)
+            assert told in loaded.tokenizer.decode(core.tokenize(question).tokens)
+            assert core.defaults == (
+                {"temperature": 0.1, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 512}
+                if model_defaults
+                else {}
+            )
+    finally:
+        client.shutdown()
 
 
 def test_tools_the_template_leaves_out_are_reported(default_server):
