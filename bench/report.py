@@ -149,7 +149,7 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         by_type = [entry for kind, entry in targets.items() if sampled_at(kind) is None] or list(targets.values())
         geomean = round(statistics.geometric_mean([entry["default_vs_target_only"] for entry in by_type]), 3)
         targets["all"] = {"default_vs_target_only_geomean": geomean, "met": geomean >= GOAL_DEFAULT_GEOMEAN}
-        other = _other_name(by_type[0])
+        other = _other_activations(results)
         ratios = [f"{other}_{name}" for name in OTHER_RATIOS] if other else []
         for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp", *ratios):  # the same file, threads
             if all(name in entry for entry in by_type):
@@ -166,11 +166,10 @@ def _other(metrics: dict) -> str | None:
 OTHER_RATIOS = ("target_only_vs_target_only", "default_vs_own_target_only", "target_only_vs_llama_cpp")
 
 
-def _other_name(entry: dict) -> str | None:
-    """The activations of the second server whose ratios ``entry`` holds ("float32"), if any."""
-    return next(
-        (name for name, _, rest in (key.partition("_") for key in entry) if rest.startswith(OTHER_RATIOS[0])), None
-    )
+def _other_activations(results: dict[str, dict]) -> str | None:
+    """The second server's activations ("float32"), read from its labels in any type's runs."""
+    stem = next(filter(None, map(_other, results.values())), None)
+    return stem[len(OTHER) :] if stem else None
 
 
 def _other_ratios(metrics: dict[str, dict], own: float) -> dict[str, float]:
@@ -304,7 +303,7 @@ def summary(report: dict, full_tables: str) -> str:
             f"{every['target_only_vs_llama_cpp_geomean']:.2f}x, default {every['default_vs_llama_cpp_geomean']:.2f}x.",
         ]
     every = targets.get("all", {})
-    other = _other_name(every)
+    other = _other_activations(results)
     if other and f"{other}_target_only_vs_target_only_geomean" in every:
         first = report.get("server_activations") or "the default's"
         line = (
