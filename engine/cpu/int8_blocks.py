@@ -13,6 +13,8 @@ import torch
 from .blocks import FORMATS, INT8_FORMATS, INT8_Q4, INT8_Q8, INT8_ROWS, BlockPart, BlockWeight, kernel_isa
 from .memory import release_freed_memory
 
+ROW_SLICE = 4096  # rows int8_part repacks at a time (a multiple of INT8_ROWS)
+
 
 def int8_weight(weight: BlockWeight) -> BlockWeight:
     """``weight`` with each part ``int8_part`` can repack repacked: its products then quantize their
@@ -39,17 +41,14 @@ def int8_part(part: BlockPart, in_features: int) -> BlockPart | None:
     if not repackable(part):
         return None
     # a slice of rows at a time: the temporaries of a whole LM head would hold several times its size
-    group_bytes = (576 if part.format == FORMATS["Q8_0"] else 320) * (in_features // 32)
-    packed = torch.empty(part.rows // INT8_ROWS, group_bytes, dtype=torch.uint8)  # [O / 16, group bytes]
-    for row in range(0, part.rows, ROW_SLICE):
+    q8 = part.format == FORMATS["Q8_0"]
+    packed = torch.empty(part.rows // INT8_ROWS, (576 if q8 else 320) * (in_features // 32), dtype=torch.uint8)
+    for row in range(0, part.rows, ROW_SLICE):  # [O / 16, group bytes], filled a slice's groups at a time
         groups = _repacked_rows(part.blocks[row : row + ROW_SLICE], part.format, in_features)
         if groups is None:
             return None
         packed[row // INT8_ROWS : row // INT8_ROWS + groups.shape[0]] = groups
-    return BlockPart(packed, INT8_Q8 if part.format == FORMATS["Q8_0"] else INT8_Q4)
-
-
-ROW_SLICE = 4096  # rows repacked at a time (a multiple of INT8_ROWS)
+    return BlockPart(packed, INT8_Q8 if q8 else INT8_Q4)
 
 
 def _repacked_rows(rows: torch.Tensor, format: int, in_features: int) -> torch.Tensor | None:
