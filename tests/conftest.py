@@ -165,6 +165,15 @@ def server(tiny_model_dirs, tmp_path_factory) -> Iterator[Server]:
     stop_server(running)
 
 
+def copies_read_while_timing(choice_log: str, keeps_bfloat16: bool) -> int:
+    """Copies copy:auto reads whole on a start that times its forms (not one that reads its choice
+    back), by its log from the timing line to its choice: a form whose estimated step could not pay
+    is not read at all; with both left, one read is timed as bfloat16, then as int8 rows, and a
+    second is read only to keep bfloat16."""
+    ruled_out = choice_log.count("no k pays even if every draft passed")
+    return {0: 2 if keeps_bfloat16 else 1, 1: 1, 2: 0}[ruled_out]
+
+
 def compose_environment(service: str, dotenv: Path = REPO / ".env.example") -> dict[str, str]:
     """The variables ``docker compose`` gives ``service`` of docker-compose.yml, with ``dotenv``
     as the .env file beside it: the service's environment (anchors merged by the YAML loader),

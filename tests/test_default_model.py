@@ -12,7 +12,14 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-from tests.conftest import EMBEDDED_FLOAT32, REPO, compose_environment, start_server, stop_server
+from tests.conftest import (
+    EMBEDDED_FLOAT32,
+    REPO,
+    compose_environment,
+    copies_read_while_timing,
+    start_server,
+    stop_server,
+)
 from tests.faults import fault_marker
 
 pytestmark = pytest.mark.slow
@@ -330,10 +337,10 @@ def test_the_log_has_plain_lines_and_load_times(default_server):
     copies_read = len(re.findall(r"loaded draft copy:auto: .* in \d+\.\d s", log))
     if "(stored, measured " not in log[chosen.start() :].splitlines()[0]:  # chosen here, not read back
         timing = log.index("draft copy:auto: timing a bfloat16 and an int8 copy")  # said while it measures
-        # a form whose estimated step could not pay is not read whole; one read is timed as bfloat16, then int8
-        ruled_out = log[chosen.start() :].splitlines()[0].count("no k pays even if every draft passed")
-        timed_both = 2 if chosen.group(1) == "bfloat16" else 1
-        assert timing < chosen.start() and copies_read == {0: timed_both, 1: 1, 2: 0}[ruled_out]
+        choice = log[chosen.start() :].splitlines()[0]
+        assert timing < chosen.start() and copies_read == copies_read_while_timing(
+            choice, chosen.group(1) == "bfloat16"
+        )
     else:  # read back: only the copy it keeps is read from the file
         assert copies_read == (chosen.group(1) != "none")
     card = httpx.get(f"{default_server.v1}/models").json()["data"][0]
