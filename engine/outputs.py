@@ -8,35 +8,45 @@ scope, so no client can probe another's outputs through acceptance counts.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict
 
 MAX_MATCH = 8  # longest n-gram indexed
 
 
 class ContinuationIndex:
-    """n-gram (n in 1..max_match) -> Counter of the tokens that followed it."""
+    """n-gram (n in 1..max_match) -> {token that followed it: count}. Plain dicts, not ``Counter``s:
+    a step indexes each new token under max_match keys, and a Counter per new key (built in Python)
+    cost a step more than the lookups."""
 
     def __init__(self, max_match: int = MAX_MATCH) -> None:
         self.max_match = max_match
-        self.table: dict[tuple[int, ...], Counter] = defaultdict(Counter)
+        self.table: dict[tuple[int, ...], dict[int, int]] = {}
 
     def add(self, token_ids: list[int], start: int = 1, sign: int = 1) -> None:
         """Index every continuation token_ids[end] for end in [start, len): the n-grams ending before it."""
+        table, longest = self.table, self.max_match
         for end in range(max(start, 1), len(token_ids)):
-            following = token_ids[end]
-            for n in range(1, min(self.max_match, end) + 1):
-                key = tuple(token_ids[end - n : end])
-                counts = self.table[key]
-                counts[following] += sign
-                if counts[following] <= 0:
+            following, before = token_ids[end], tuple(token_ids[max(end - longest, 0) : end])
+            for n in range(1, len(before) + 1):
+                key = before[-n:]
+                counts = table.get(key)
+                if counts is None:
+                    if sign > 0:
+                        table[key] = {following: sign}
+                    continue
+                count = counts.get(following, 0) + sign
+                if count > 0:
+                    counts[following] = count
+                elif following in counts:
                     del counts[following]
                     if not counts:
-                        del self.table[key]
+                        del table[key]
 
-    def longest_match(self, context: list[int]) -> tuple[int, Counter | None]:
+    def longest_match(self, context: list[int]) -> tuple[int, dict[int, int] | None]:
         """(n, counts) for the longest suffix of ``context`` that was seen with a continuation."""
-        for n in range(min(self.max_match, len(context)), 0, -1):
-            counts = self.table.get(tuple(context[-n:]))
+        tail = tuple(context[-self.max_match :])
+        for n in range(len(tail), 0, -1):
+            counts = self.table.get(tail[-n:])
             if counts:
                 return n, counts
         return 0, None

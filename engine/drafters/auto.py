@@ -42,6 +42,7 @@ from dataclasses import replace
 
 from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, beats_plain, expected_tokens
 from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line
+from ..model.model import upload
 from ..sampling import RequestSampler
 from .auto_state import (
     EVIDENCE_DECAY,
@@ -59,7 +60,6 @@ from .registry import build, register
 
 PRIOR_WEIGHT = 0.3  # how much one finished request moves a prior
 HORIZON = 64  # tokens over which a candidate's catch-up is paid back, where text matching takes no steps
-PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 PROBE_ALPHA = 0.5  # the acceptance at which an unused draft model is probed after probe_every steps
 RARELY = 8  # how many times longer a draft model that cannot pay here goes unprobed
 PROBE_CATCH_UP = 0.25  # the most a probe may spend catching up, in plain steps (docs/drafters.md)
@@ -80,7 +80,7 @@ class AutoDrafter(Drafter):
         self.catch_up: dict[str, float] = {}  # seconds per token a candidate takes to read what it missed
         self.extra_row: dict[str, float] = {}  # seconds per row beyond the first of a short read
         self.priors = dict.fromkeys(readers, ALPHA_PRIOR)  # by track, as start-up knows them
-        texts = [name for name in candidates if name not in readers]
+        texts = self._texts = [name for name in candidates if name not in readers]  # text matchers: ``offer``
         self.priors |= {match_track(name, n): prior for name in texts for n, prior in MATCH_PRIORS.items()}
         self.scope_priors = ScopePriors(self.priors, PRIOR_WEIGHT)  # as each scope's requests moved them
         self._request = RequestState()
@@ -130,31 +130,32 @@ class AutoDrafter(Drafter):
         request = self._request
         request.step += 1
         self._score_declined(token_ids)
-        offers = self._offers(token_ids, num_draft_tokens, sampler)
-        if self.verify.knows(0):
-            tokens, seconds = self._text_step(offers)[1:]
-            paced_tokens, paced_seconds = request.text_pace
-            request.text_pace = (PACE_DECAY * paced_tokens + tokens, PACE_DECAY * paced_seconds + seconds)
-        name, k = self._choose(token_ids, num_draft_tokens, offers)
+        offers = self._offers(token_ids, num_draft_tokens)
+        text_step = self._text_step(offers) if self.verify.knows(0) else None
+        if text_step is not None:
+            request.keep_pace(*text_step[1:])
+        name, k = self._choose(token_ids, num_draft_tokens, offers, text_step)
         request.note_step(name in offers)
         steady = request.last_tried.get(name) == request.step - 1
         choice = StepChoice(name, k, len(token_ids), steady=steady, lag=self._lag(name, token_ids) or 0)
         started = time.perf_counter()
-        proposal = Proposal.empty(sampler.device)
         if name in offers:
-            proposal, choice.track = offers[name]
-            proposal = proposal.first(k)  # its best length, or one token for a probe
+            drafts, choice.track = offers[name]
+            proposal = Proposal(upload(drafts[:k], sampler.device), None)  # its best length
         elif name is not None and k > 0:
             proposal, choice.track = self.candidates[name].propose(token_ids, k, sampler), name
+        else:
+            proposal = Proposal.empty(sampler.device)
         if choice.track is not None:
             request.last_tried[name] = request.last_tried[choice.track] = request.step
-        declined = [(each, track) for each, (_, track) in offers.items() if each != name]  # scored next step
-        request.declined = [(len(token_ids), self.candidates[each].proposed[0], track) for each, track in declined]
+        declined = [offer for each, offer in offers.items() if each != name]  # scored next step
+        request.declined = [(len(token_ids), drafts[0], track) for drafts, track in declined]
         choice.drafted = proposal.token_ids.shape[0]
         choice.proposed_at = time.perf_counter()
         choice.draft_seconds = choice.proposed_at - started
         self._choice = choice
-        return replace(proposal, drafter=name if choice.drafted else "none")
+        drafter = name if choice.drafted else "none"
+        return Proposal(proposal.token_ids, proposal.probs, drafter, proposal.num_proposed)
 
     def accept(self, num_committed: int) -> None:
         for candidate in self.candidates.values():
@@ -239,27 +240,25 @@ class AutoDrafter(Drafter):
         bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
         return 1.0 + min(bias * self._drafts_passing(track, k), float(k))
 
-    def _text_step(self, offers: dict[str, tuple[Proposal, str]]) -> tuple[tuple[str | None, int], float, float]:
+    def _text_step(self, offers: dict[str, tuple[list[int], str]]) -> tuple[tuple[str | None, int], float, float]:
         """The best of the text matchers' offers (whole, or their first k tokens: where a verify row
         costs a large part of a step, a weak match pays at one token and not at four) and a plain
         step, by expected tokens per second: ((candidate, k), expected tokens, seconds)."""
         best, tokens, seconds = (None, 0), 1.0, self.verify.verify_cost(0)
-        for name, (proposal, track) in offers.items():
-            for k in range(1, proposal.token_ids.shape[0] + 1):
+        for name, (drafts, track) in offers.items():
+            for k in range(1, len(drafts) + 1):
                 offered, cost = self._tokens(track, k), self.verify.verify_cost(k)
                 if offered / cost > tokens / seconds:
                     best, tokens, seconds = (name, k), offered, cost
         return best, tokens, seconds
 
-    def _offers(self, token_ids: list[int], limit: int, sampler: RequestSampler) -> dict[str, tuple[Proposal, str]]:
-        """What each text matcher that found something would draft now (up to ``limit`` tokens), with
-        the track its acceptance is read from: a table lookup, cheap enough to ask before choosing."""
+    def _offers(self, token_ids: list[int], limit: int) -> dict[str, tuple[list[int], str]]:
+        """What each text matcher that found something would draft now (up to ``limit`` tokens, on the
+        host), with the track its acceptance is read from: a table lookup, cheap enough to ask first."""
         offers = {}
-        for name, candidate in self.candidates.items():
-            if limit > 0 and not self._reads(name):
-                proposal = candidate.propose(token_ids, limit, sampler)
-                if proposal.token_ids.shape[0]:
-                    offers[name] = (proposal, match_track(name, candidate.match_length))
+        for name in self._texts if limit > 0 else ():
+            if drafts := self.candidates[name].offer(token_ids, limit):
+                offers[name] = (drafts, match_track(name, self.candidates[name].match_length))
         return offers
 
     def expect_catch_up(self, seconds_per_token: float, seconds_per_extra_row: float | None = None) -> None:
@@ -303,10 +302,11 @@ class AutoDrafter(Drafter):
         return lag * self.catch_up.get(name, self.draft_costs[name].draft or 0.0)
 
     def _choose(
-        self, token_ids: list[int], limit: int, offers: dict[str, tuple[Proposal, str]] | None = None
+        self, token_ids: list[int], limit: int, offers: dict[str, tuple[list[int], str]] | None = None, text_step=None
     ) -> tuple[str | None, int]:
         """(candidate, k) with the most expected tokens per second; (None, 0) to draft nothing.
-        ``offers``: the text matchers' proposals for this step (``_offers``)."""
+        ``offers``: the text matchers' proposals for this step (``_offers``); ``text_step``: their best
+        (``_text_step``), where the step already priced them."""
         if limit <= 0:
             return None, 0
         request, offers = self._request, offers or {}
@@ -319,7 +319,7 @@ class AutoDrafter(Drafter):
         horizon = HORIZON * max(request.left_by_text, 1 / HORIZON)  # the tokens it is paid back over
         # A draft model's step must beat text matching's pace over the last few steps, not only this
         # step's offer: where the text repeats, a plain step reaches the next match sooner.
-        best, tokens, seconds = self._text_step(offers)  # or a plain step
+        best, tokens, seconds = text_step or self._text_step(offers)  # or a plain step
         paced_tokens, paced_seconds = request.text_pace
         best_rate = max(tokens / seconds, paced_tokens / paced_seconds if paced_seconds else 0.0)
         for name, costs in self.draft_costs.items():
@@ -329,20 +329,20 @@ class AutoDrafter(Drafter):
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
         # Probes keep a draft model's acceptance current (text matching needs none: ``_score_declined``)
-        # where the best is another model or a plain step, never a text match (taken without detour),
-        # at one drafted token, once unused a while (probe_every steps at acceptance 0.5, longer for a
-        # weaker one) and with little to catch up. One whose live step could not beat plain decoding even
-        # at the most it may accept (the higher of its prior and this request's estimate) is probed
-        # RARELY as often, to keep that measure current.
+        # where the best is another model or a plain step, never a text match (taken without detour), at
+        # one token, once unused a while (probe_every steps at acceptance 0.5, longer for a weaker one) and
+        # with little to catch up. One whose live step could not beat plain decoding even at the most it
+        # may accept (its prior or this request's estimate, the higher) is probed RARELY as often.
         if best[0] in offers:
             return best
         plain_step, due = self.verify.verify_cost(0), self.probe_every * PROBE_ALPHA
         for name, costs in self.draft_costs.items():
+            unused = (request.step - request.last_tried.get(name, 0)) * self._alpha(name)
+            if name == best[0] or unused <= due or catch_up[name] > PROBE_CATCH_UP * plain_step:
+                continue  # not due (whether it could pay is asked only then), or dear to catch up
             most = max(request.priors.get(name, ALPHA_PRIOR), self._alpha(name))
             hopeless = not costs.provisional_draft and not beats_plain(most, limit, costs, self.verify)
-            unused = (request.step - request.last_tried.get(name, 0)) * self._alpha(name)
-            cheap = catch_up[name] <= PROBE_CATCH_UP * plain_step
-            if name != best[0] and unused > due * (RARELY if hopeless else 1) and cheap:
+            if unused > due * (RARELY if hopeless else 1):
                 return name, 1
         return best
 

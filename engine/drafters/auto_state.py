@@ -3,7 +3,9 @@ and what each step chose, so the choice after it can be priced and learned from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 
 from ..adaptive import ALPHA_PRIOR
 
@@ -13,21 +15,24 @@ PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of e
 MODEL_PRIOR_TOKENS = 8.0
 EVIDENCE_DECAY = 0.9  # each step of a candidate fades its earlier evidence (a request's text changes)
 LEFT_PRIOR_STEPS = 2.0  # a request starts as if text matching had left two steps to others
+PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 # A text match's acceptance before any request ran, by the length of the match its proposal
 # continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
 # tokens or more, in chat as in code). A draft model's is ALPHA_PRIOR until start-up measures it.
 MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
 
 
+@cache  # asked several times a step, of a handful of names and lengths
 def match_track(name: str, match_length: int) -> str:  # suffix@4: a match of 4 to 7 tokens
     return f"{name}@{max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))}"
 
 
-def continued(track: str, count: int) -> list[str]:
+@cache
+def continued(track: str, count: int) -> tuple[str, ...]:
     """The tracks a text match's drafts 1..count are accepted on: draft i continues the match i - 1
     tokens further (suffix@1's drafts: suffix@1, suffix@2, suffix@2, suffix@4)."""
     name, length = track.rsplit("@", 1)
-    return [match_track(name, int(length) + index) for index in range(count)]
+    return tuple(match_track(name, int(length) + index) for index in range(count))
 
 
 @dataclass(slots=True)
@@ -68,6 +73,11 @@ class RequestState:
     text_taken: tuple[float, float] = field(default_factory=lambda: (0.0, LEFT_PRIOR_STEPS))
     step: int = 0
 
+    def keep_pace(self, tokens: float, seconds: float) -> None:
+        """This step's best of text matching and a plain step, into the pace a draft step must beat."""
+        paced_tokens, paced_seconds = self.text_pace
+        self.text_pace = (PACE_DECAY * paced_tokens + tokens, PACE_DECAY * paced_seconds + seconds)
+
     def note_step(self, by_text: bool) -> None:
         taken, steps = self.text_taken
         self.text_taken = (EVIDENCE_DECAY * taken + by_text, EVIDENCE_DECAY * steps + 1)
@@ -78,7 +88,7 @@ class RequestState:
         taken, steps = self.text_taken
         return 1.0 - taken / steps
 
-    def pool(self, tracks: list[str], accepted: int, prior_tokens: float = PRIOR_TOKENS) -> None:
+    def pool(self, tracks: Sequence[str], accepted: int, prior_tokens: float = PRIOR_TOKENS) -> None:
         """One step's drafts, each on the track it was accepted on: the first ``accepted`` passed,
         the next (if any) was rejected. Each track's acceptance is its faded successes over
         successes and rejections, its prior counting as ``prior_tokens`` tokens (maximum likelihood

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
@@ -28,16 +29,9 @@ class Proposal:
     num_proposed: torch.Tensor | None = None
 
     @staticmethod
+    @cache  # one per device: nothing writes to a proposal's tensors, and a step need not allocate one
     def empty(device: torch.device) -> Proposal:
         return Proposal(torch.empty(0, dtype=torch.long, device=device), None)
-
-    def first(self, k: int) -> Proposal:
-        """The proposal cut to its first ``k`` drafts (itself when it has no more)."""
-        if self.token_ids.shape[0] <= k:
-            return self
-        probs = None if self.probs is None else self.probs[:k]  # [k, V]
-        cutoff = None if self.num_proposed is None else self.num_proposed.clamp_max(k)  # []
-        return Proposal(self.token_ids[:k], probs, self.drafter, cutoff)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +61,8 @@ class Drafter(Protocol):
     # A model of its own it drafts with (an EAGLE-3 head), described for the start-up line and
     # /v1/models; None: none, or the shared draft model.
     own_model: str | None = None
+    # A text matcher's last ``offer``: how many tokens of the sequence the match it continues spans.
+    match_length: int = 0
     # The attributes that belong to the sequence being drafted (reset by ``begin``): what ``park``
     # keeps while another sequence uses this drafter, and ``resume`` puts back.
     per_sequence: ClassVar[tuple[str, ...]] = ()
@@ -80,6 +76,12 @@ class Drafter(Protocol):
 
     def accept(self, num_committed: int) -> None:
         """The first ``num_committed`` tokens of the sequence are final; drop state beyond them."""
+
+    def offer(self, token_ids: list[int], limit: int) -> list[int]:
+        """A text matcher's proposal, as ``propose``'s tokens on the host, and the length of the match
+        it continues in ``match_length`` (``auto`` asks every step before choosing, and uploads only
+        what it takes); none from a drafter that runs a model."""
+        return []
 
     def parts(self) -> list[Drafter]:
         """The drafters it drafts through (a chain's stages, auto's candidates), for ``park``."""

@@ -15,7 +15,7 @@ Proposals are deterministic, so they are verified with a one-hot q, like ``ngram
 
 from __future__ import annotations
 
-from collections import Counter
+from operator import itemgetter
 
 import torch
 
@@ -31,7 +31,7 @@ MIN_PROBABILITY = 0.1  # stop drafting once the path's estimated probability fal
 
 class SuffixDrafter(Drafter):
     name = "suffix"
-    per_sequence = ("_local", "_indexed", "_tenant", "match_length", "proposed")
+    per_sequence = ("_local", "_indexed", "_tenant", "match_length")
 
     def __init__(self, device: torch.device, cache: OutputCache | None, max_match: int = MAX_MATCH) -> None:
         self.device = device
@@ -41,39 +41,40 @@ class SuffixDrafter(Drafter):
         self._indexed = 0  # continuations before this position are in the local index
         self._tenant = ""
         self.match_length = 0  # tokens the last proposal's first match spanned (0: none): how far to trust it
-        self.proposed: list[int] = []  # the last proposal's tokens, on the host (reading them back would wait)
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         self._local = ContinuationIndex(self.max_match)
         self._indexed, self._tenant = 0, tenant
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
+        drafted = self.offer(token_ids, num_draft_tokens)
+        return Proposal(upload(drafted, self.device), None) if drafted else Proposal.empty(self.device)
+
+    def offer(self, token_ids: list[int], limit: int) -> list[int]:
+        """The proposal's tokens on the host (``auto`` asks every step, and uploads only what it takes)."""
         self._local.add(token_ids, start=self._indexed)
         self._indexed = len(token_ids)
         shared = self.cache.index(self._tenant) if self.cache is not None else None
-        context, drafted, probability, limit = list(token_ids[-self.max_match :]), [], 1.0, num_draft_tokens
+        context, drafted, probability = list(token_ids[-self.max_match :]), [], 1.0
         self.match_length = 0
         while len(drafted) < limit:
             n, counts = self._best(context, shared)
             if counts is None:
                 break
             if not drafted:  # the first match sets how far this draft may reach
-                self.match_length, limit = n, min(num_draft_tokens, max(1, int(MATCH_FACTOR * n)))
-            token, count = counts.most_common(1)[0]
+                self.match_length, limit = n, min(limit, max(1, int(MATCH_FACTOR * n)))
+            token, count = max(counts.items(), key=itemgetter(1))  # the most frequent (the first seen, on a tie)
             probability *= count / sum(counts.values())
             if probability < MIN_PROBABILITY:
                 break
             drafted.append(token)
             context = (context + [token])[-self.max_match :]
-        self.proposed = drafted
-        if not drafted:
-            return Proposal.empty(self.device)
-        return Proposal(upload(drafted, self.device), None)
+        return drafted
 
     def accept(self, num_committed: int) -> None:
         """Nothing to roll back: the indexes hold committed tokens only."""
 
-    def _best(self, context: list[int], shared: ContinuationIndex | None) -> tuple[int, Counter | None]:
+    def _best(self, context: list[int], shared: ContinuationIndex | None) -> tuple[int, dict[int, int] | None]:
         """The longer match of the two indexes; on a tie, their counts together."""
         n_local, local = self._local.longest_match(context)
         n_shared, other = shared.longest_match(context) if shared is not None else (0, None)
@@ -83,7 +84,10 @@ class SuffixDrafter(Drafter):
             return n_shared, other
         if local is None or other is None:
             return n_local, local or other
-        return n_local, local + other
+        together = dict(local)
+        for token, count in other.items():
+            together[token] = together.get(token, 0) + count
+        return n_local, together
 
 
 @register("suffix", SuffixDrafter)

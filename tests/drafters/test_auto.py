@@ -9,7 +9,6 @@ import torch
 
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
 from engine.drafters.auto import MATCH_PRIORS, match_track
-from engine.drafters.base import Proposal
 from engine.factory import warm_up
 from engine.measure import robust_line
 from engine.request import Request
@@ -40,9 +39,9 @@ def priced_auto(verify: dict[int, float], model_cost: float, alpha: dict[str, fl
     return auto
 
 
-def offer(num_tokens: int, match_length: int) -> dict[str, tuple[Proposal, str]]:
+def offer(num_tokens: int, match_length: int) -> dict[str, tuple[list[int], str]]:
     """Text matching's offer for a step: ``num_tokens`` drafts continuing a match of ``match_length``."""
-    return {"suffix": (Proposal(torch.arange(num_tokens), None), match_track("suffix", match_length))}
+    return {"suffix": (list(range(num_tokens)), match_track("suffix", match_length))}
 
 
 def test_the_choice_follows_cost_and_acceptance():
@@ -251,15 +250,6 @@ def test_a_weak_text_match_is_taken_cut_to_the_tokens_that_pay():
     assert auto._choose([1, 2, 3], 4, offer(4, 2)) == ("suffix", 4)
     auto._request.alpha["suffix@2"] = 0.2
     assert auto._choose([1, 2, 3], 4, offer(4, 2)) == (None, 0)
-
-
-def test_a_proposal_cut_to_its_first_drafts_keeps_their_distributions_and_cutoff():
-    probs = torch.softmax(torch.randn(4, 6), -1)  # [k, V]
-    proposal = Proposal(torch.tensor([3, 1, 4, 1]), probs, "suffix", torch.tensor(3))
-    cut = proposal.first(2)
-    assert cut.token_ids.tolist() == [3, 1] and torch.equal(cut.probs, probs[:2])
-    assert int(cut.num_proposed) == 2 and cut.drafter == "suffix"
-    assert proposal.first(4) is proposal and Proposal(torch.tensor([7]), None).first(1).probs is None
 
 
 def test_a_draft_model_is_not_tried_at_once_in_a_request():
