@@ -46,12 +46,12 @@ from ..model.model import upload
 from ..sampling import RequestSampler
 from .auto_state import (
     EVIDENCE_DECAY,
-    MATCH_PRIORS,
     MODEL_PRIOR_TOKENS,
     PRIOR_TOKENS,
     RequestState,
     StepChoice,
     continued,
+    match_priors,
     match_track,
 )
 from .base import Drafter, DraftResources, Proposal
@@ -81,7 +81,7 @@ class AutoDrafter(Drafter):
         self.extra_row: dict[str, float] = {}  # seconds per row beyond the first of a short read
         self.priors = dict.fromkeys(readers, ALPHA_PRIOR)  # by track, as start-up knows them
         texts = self._texts = [name for name in candidates if name not in readers]  # text matchers: ``offer``
-        self.priors |= {match_track(name, n): prior for name in texts for n, prior in MATCH_PRIORS.items()}
+        self.priors |= match_priors(texts)
         self.scope_priors = ScopePriors(self.priors, PRIOR_WEIGHT)  # as each scope's requests moved them
         self._request = RequestState()
         self._choice: StepChoice | None = None
@@ -128,7 +128,7 @@ class AutoDrafter(Drafter):
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
-        request.step += 1
+        request.step, request.sampled = request.step + 1, not sampler.params.greedy
         self._score_declined(token_ids)
         offers = self._offers(token_ids, num_draft_tokens)
         text_step = self._text_step(offers) if self.verify.knows(0) else None
@@ -206,13 +206,13 @@ class AutoDrafter(Drafter):
 
     def _score_declined(self, token_ids: list[int]) -> None:
         """Score the text offers the last step declined by the token it committed where their first
-        draft stood: a drafted token passes with the target's probability of it, the chance that
-        token is the one committed (greedy: exactly when it is). Evidence like a drafted step's, for
-        free, so a track a scope learned low on other text recovers where this text repeats."""
+        draft stood (a draft passes with the target's probability of it: greedy, when it is the token).
+        Free evidence of acceptance, so a track learned low elsewhere recovers where this text repeats;
+        not of the yield, which would count the pass twice (one lucky pass priced a weak match high)."""
         request = self._request
         for position, token, track in request.declined:
             if position < len(token_ids):
-                self._observe(track, int(token_ids[position] == token), 1)
+                request.pool((track,), int(token_ids[position] == token))
                 request.last_tried[track] = request.step
         request.declined = []
 
@@ -258,7 +258,7 @@ class AutoDrafter(Drafter):
         offers = {}
         for name in self._texts if limit > 0 else ():
             if drafts := self.candidates[name].offer(token_ids, limit):
-                offers[name] = (drafts, match_track(name, self.candidates[name].match_length))
+                offers[name] = (drafts, match_track(name, self.candidates[name].match_length, self._request.sampled))
         return offers
 
     def expect_catch_up(self, seconds_per_token: float, seconds_per_extra_row: float | None = None) -> None:

@@ -20,11 +20,29 @@ PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of mat
 # continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
 # tokens or more, in chat as in code). A draft model's is ALPHA_PRIOR until start-up measures it.
 MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
+# A sampled request's text match passes as the target draws the token it continues with, which a
+# weak match's seldom is: its own tracks (``suffix@2~``), from lower priors. First drafts that passed
+# at temperature 0.8, on chat and prose / code and summaries (bench/prompts.yaml and the study's,
+# docs/drafters.md): 0.12 / 0.18 after one token, 0.15 / 0.44 after two to three, 0.67 / 0.76 after
+# four to seven, 0.89 after eight (0.11 / 0.23 and 0.38 / 0.58 greedy after one and two).
+SAMPLED_MATCH_PRIORS = {1: 0.15, 2: 0.4, 4: 0.75, 8: 0.85}
+SAMPLED = "~"  # what ends a sampled request's track
 
 
 @cache  # asked several times a step, of a handful of names and lengths
-def match_track(name: str, match_length: int) -> str:  # suffix@4: a match of 4 to 7 tokens
-    return f"{name}@{max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))}"
+def match_track(name: str, match_length: int, sampled: bool = False) -> str:  # suffix@4: a match of 4 to 7 tokens
+    bucket = max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))
+    return f"{name}@{bucket}{SAMPLED if sampled else ''}"
+
+
+def match_priors(names: list[str]) -> dict[str, float]:
+    """The text matchers' tracks' priors, greedy and sampled."""
+    return {
+        match_track(name, length, sampled): prior
+        for name in names
+        for sampled, priors in ((False, MATCH_PRIORS), (True, SAMPLED_MATCH_PRIORS))
+        for length, prior in priors.items()
+    }
 
 
 @cache
@@ -32,7 +50,8 @@ def continued(track: str, count: int) -> tuple[str, ...]:
     """The tracks a text match's drafts 1..count are accepted on: draft i continues the match i - 1
     tokens further (suffix@1's drafts: suffix@1, suffix@2, suffix@2, suffix@4)."""
     name, length = track.rsplit("@", 1)
-    return tuple(match_track(name, int(length) + index) for index in range(count))
+    sampled = length.endswith(SAMPLED)
+    return tuple(match_track(name, int(length.rstrip(SAMPLED)) + index, sampled) for index in range(count))
 
 
 @dataclass(slots=True)
@@ -72,6 +91,7 @@ class RequestState:
     # catch-up is paid back over those
     text_taken: tuple[float, float] = field(default_factory=lambda: (0.0, LEFT_PRIOR_STEPS))
     step: int = 0
+    sampled: bool = False  # the request samples (its text matches' tracks are its own: ``match_track``)
 
     def keep_pace(self, tokens: float, seconds: float) -> None:
         """This step's best of text matching and a plain step, into the pace a draft step must beat."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
-from engine.drafters.auto import MATCH_PRIORS, match_track
+from engine.drafters.auto_state import MATCH_PRIORS, SAMPLED_MATCH_PRIORS, match_track
 from engine.factory import warm_up
 from engine.measure import robust_line
 from engine.request import Request
@@ -123,6 +123,28 @@ def test_the_offer_is_what_a_step_choosing_text_matching_drafts():
     assert auto._request.evidence["suffix@4"] == (4, 0)  # all four passed, on the track of a 4-7 token match
 
 
+def test_a_sampled_request_prices_its_text_matches_on_tracks_of_their_own():
+    """A sampled request's text match passes only where the target draws the token it continues
+    with: its tracks (``suffix@1~``) start from lower priors, so where a verify row costs a fifth of a
+    step, the one-token match a greedy request drafts is left to a plain step, and scored as declined."""
+    engine = auto_engine()
+    warm_up(engine)
+    auto = engine.drafter("auto")
+    auto.verify = StepCosts(0.0, {k: 0.030 * (1 + 0.2 * k) for k in range(5)})
+    assert auto.priors["suffix@1~"] == SAMPLED_MATCH_PRIORS[1] < auto.priors["suffix@1"] == MATCH_PRIORS[1]
+    prompt = [7, 8, 9, 10, 11, 12, 9]  # 9 was followed by 10: a one-token match
+    for temperature, drafter, track in ((0.0, "suffix", "suffix@1"), (0.8, "none", "suffix@1~")):
+        auto.begin(prompt)
+        auto._request.alpha |= {"model": 0.0, "staged": 0.0}
+        auto._request.last_tried = dict.fromkeys([*auto.candidates, *auto.priors], 0)
+        sampler = RequestSampler(SamplingParams(temperature=temperature), 96, torch.device("cpu"), prompt, seed=0)
+        proposal = auto.propose(prompt, 1, sampler)
+        assert proposal.drafter == drafter and proposal.token_ids.tolist() == ([10] if drafter == "suffix" else [])
+        assert auto._choice.track == (track if drafter == "suffix" else None)
+        assert auto._request.declined == ([] if drafter == "suffix" else [(len(prompt), 10, track)])
+        auto.accept(len(prompt))
+
+
 def test_a_candidate_is_priced_by_what_its_steps_yielded_against_the_estimate():
     """Text matching's runs are all or nothing: the geometric yield at its acceptance can be off
     either way, and its realised tokens correct it."""
@@ -206,12 +228,14 @@ def test_probes_take_a_draft_model_unused_lately_with_one_token_and_never_a_text
 
 def test_a_declined_text_offer_is_scored_by_the_token_committed_where_its_first_draft_stood():
     """A drafted token passes with the target's probability of it, the chance that it is the token
-    a plain step commits there (greedy: exactly when it is): free evidence, pooled as a step's."""
+    a plain step commits there (greedy: exactly when it is): free evidence of acceptance, pooled as a
+    step's, and not of the yield (that would count the same pass twice)."""
     auto = priced_auto({0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@1": 0.3})
     auto._request.declined = [(3, 7, "suffix@1")]
     auto._score_declined([1, 2, 3, 7, 8])  # token 7 was committed at position 3: it would have passed
     held = auto._alpha("suffix@1")
     assert held > 0.3 and auto._request.last_tried["suffix@1"] == auto._request.step and not auto._request.declined
+    assert auto._tokens("suffix@1", 1) == 1 + held and "suffix@1" not in auto._request.yields
     auto._request.declined = [(4, 9, "suffix@1")]
     auto._score_declined([1, 2, 3, 7, 8])  # 8, not 9
     assert auto._alpha("suffix@1") < held
