@@ -13,12 +13,12 @@ v(k) are timed at start-up, then live, shared by requests (v as a line over k, `
 Text matching is asked first at every step, since its proposal costs next to nothing to make: the
 choice then knows how many tokens it offers and how long a match they continue, and its acceptance
 is tracked per match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a
-longer one mostly does), so a long match wins the step and a weak one leaves it to the draft model.
-Its cost is its verify rows alone. An offer the step declines is scored by the token committed where
-its first draft stood, so text matching's acceptance stays current without probes. A draft model's
-step must also beat the pace text matching (or plain decoding) kept over the last few steps, each
-step halving the weight of those before: where the text repeats, a plain step reaches the next match
-sooner than four drafted tokens would.
+longer one mostly does; a hot request's, sampled at 0.7 or above, on tracks of its own: ``@2~``), so
+a long match wins the step and a weak one leaves it to plain decoding or the draft model. Its cost is
+its verify rows alone. An offer the step declines is scored by the token committed where its first
+draft stood, so its acceptance stays current without probes. A draft model's step must also beat the
+pace text matching (or plain decoding) kept over the last few steps, each halving the weight of
+those before: where the text repeats, a plain step reaches the next match sooner than four drafts.
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
@@ -46,6 +46,7 @@ from ..model.model import upload
 from ..sampling import RequestSampler
 from .auto_state import (
     EVIDENCE_DECAY,
+    HOT_TEMPERATURE,
     MODEL_PRIOR_TOKENS,
     PRIOR_TOKENS,
     RequestState,
@@ -128,7 +129,7 @@ class AutoDrafter(Drafter):
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
-        request.step, request.sampled = request.step + 1, not sampler.params.greedy
+        request.step, request.hot = request.step + 1, sampler.params.temperature >= HOT_TEMPERATURE
         self._score_declined(token_ids)
         offers = self._offers(token_ids, num_draft_tokens)
         text_step = self._text_step(offers) if self.verify.knows(0) else None
@@ -172,10 +173,9 @@ class AutoDrafter(Drafter):
         if costs is not None:
             # A step that caught up first would price drafting at prefill cost. One that read only the
             # newest token costs a step's drafting whatever ran before it: so a draft on the target's
-            # keys and values (always one token) is timed by its probes too, and a start-up timing
-            # taken on a busy host is replaced by the next probe instead of keeping the draft out for
-            # good. A request's first step is not timed, nor its catch-up where the drafter reads the
-            # target's cache: there the target reads the prompt for it.
+            # keys and values (always one token) is timed by its probes too, and a start-up timing on
+            # a busy host is replaced by the next probe, not keeping the draft out for good. A request's
+            # first step is not timed, nor its catch-up where the drafter reads the target's cache.
             first = self._request.step == 1
             if choice.steady or (choice.lag <= 1 and not first):
                 costs.observe(max(choice.drafted, 1), choice.draft_seconds, verify_seconds)
@@ -258,7 +258,7 @@ class AutoDrafter(Drafter):
         offers = {}
         for name in self._texts if limit > 0 else ():
             if drafts := self.candidates[name].offer(token_ids, limit):
-                offers[name] = (drafts, match_track(name, self.candidates[name].match_length, self._request.sampled))
+                offers[name] = (drafts, match_track(name, self.candidates[name].match_length, self._request.hot))
         return offers
 
     def expect_catch_up(self, seconds_per_token: float, seconds_per_extra_row: float | None = None) -> None:
