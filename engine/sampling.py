@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -115,11 +116,16 @@ class RequestSampler:
                 if 0 <= token_id < vocab_size:
                     self._bias[token_id] = bias
         # Penalty state: counts over generated tokens (presence/frequency, as OpenAI defines them) and
-        # a mask over prompt plus generated tokens (repetition, as in CTRL and Hugging Face).
+        # a mask over prompt plus generated tokens (repetition, as in CTRL and Hugging Face); and the
+        # ids either holds, the only logits a penalty can move (``_apply_penalties``).
         self._output_counts = torch.zeros(vocab_size, device=device)  # [V]
         self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
+        self._touched_ids: set[int] = set()
+        self._touched = torch.empty(0, dtype=torch.long, device=device)  # [S] those ids
         if params.repetition_penalty != 1.0 and prompt_ids:
-            self._seen[torch.tensor(prompt_ids, device=device).clamp(0, vocab_size - 1)] = True
+            ids = torch.tensor(prompt_ids, device=device).clamp(0, vocab_size - 1)  # [P]
+            self._seen[ids] = True
+            self._touch(ids.tolist())
 
     def commit(self, token_ids: list[int]) -> None:
         """Record tokens that became part of the output."""
@@ -131,6 +137,13 @@ class RequestSampler:
         ids = torch.tensor(token_ids, device=self.device)
         self._output_counts.index_add_(0, ids, torch.ones(len(token_ids), device=self.device))
         self._seen[ids] = True
+        self._touch(token_ids)
+
+    def _touch(self, token_ids: list[int]) -> None:
+        new = [token_id for token_id in dict.fromkeys(token_ids) if token_id not in self._touched_ids]
+        if new:
+            self._touched_ids.update(new)
+            self._touched = torch.cat([self._touched, torch.tensor(new, device=self.device)])
 
     def probs(self, logits: torch.Tensor, appended: torch.Tensor | None = None) -> torch.Tensor:
         """logits [T, V] -> probabilities [T, V] (float32).
@@ -172,21 +185,28 @@ class RequestSampler:
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, appended: torch.Tensor | None) -> torch.Tensor:
+        """logits [T, V] with the penalties applied, at the ids a penalty can move alone: those of the
+        committed history (``_touched``) and the appended tokens. Each is the same arithmetic as over
+        the whole row (elsewhere a penalty subtracts zero), at a few hundred ids instead of 49k."""
         rows = logits.shape[0]
-        counts = self._output_counts.expand(rows, -1)  # [T, V]
+        ids = self._touched  # [S]
         if appended is not None and appended.numel():
-            # Row t sees appended[:A - (T - 1) + t]: a cumulative one-hot over the appended tokens.
-            onehot = one_hot(appended, self.vocab_size)  # [A, V]
-            cum = torch.cat([torch.zeros_like(onehot[:1]), onehot.cumsum(0)])  # [A+1, V]
+            ids = torch.cat([ids, appended])  # [S'] an id twice is computed alike in both columns
+        counts = self._output_counts[ids].expand(rows, -1)  # [T, S']
+        if appended is not None and appended.numel():
+            # Row t sees appended[:A - (T - 1) + t]: cumulative counts of the appended tokens.
+            hits = (appended[:, None] == ids[None, :]).float()  # [A, S']
+            cum = torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])  # [A+1, S']
             first = appended.numel() - (rows - 1)
-            counts = counts + cum[first : first + rows]  # [T, V]
-        seen = self._seen.expand(rows, -1) | (counts > 0)  # [T, V]
+            counts = counts + cum[first : first + rows]  # [T, S']
+        seen = self._seen[ids].expand(rows, -1) | (counts > 0)  # [T, S']
         p = self.params
-        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        moved = logits.index_select(1, ids)  # [T, S']
+        moved = moved - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
         if p.repetition_penalty != 1.0:
-            penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-            logits = torch.where(seen, penalised, logits)
-        return logits
+            penalised = torch.where(moved > 0, moved / p.repetition_penalty, moved * p.repetition_penalty)
+            moved = torch.where(seen, penalised, moved)
+        return logits.index_copy(1, ids, moved)  # [T, V]
 
 
 def one_hot(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -196,8 +216,10 @@ def one_hot(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch
     return rows.scatter_(-1, token_ids[:, None], 1.0)
 
 
-# Candidate counts _top_p tries on CPU before sorting the whole row, and the margin over top_p
-# their mass must clear: past it, rounding cannot bring a later token back under top_p.
+# What _top_p tries on CPU before sorting the whole row: the tokens at or above a floor (at most a
+# thousand), then the most likely 256 and 4096; and the margin over top_p their mass must clear:
+# past it, rounding cannot bring a later token back under top_p.
+TOP_P_FLOOR = 1e-3
 TOP_P_CANDIDATES = (256, 4096)
 TOP_P_MARGIN = 1e-5
 
@@ -205,12 +227,16 @@ TOP_P_MARGIN = 1e-5
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose mass reaches top_p. probs [T, V].
 
-    On CPU the set is sought first among the most likely few hundred tokens: a partial top-k costs
-    25-35 times less than sorting a 49k vocabulary. Their values come in the sort's order and a
-    prefix's cumulative sums do not depend on what follows it, so when the mass before the last
-    candidate reaches top_p (with a margin over rounding) the kept set is the one the full sort
-    keeps. Elsewhere (where reading that test back would stall the device) the row is sorted."""
+    On CPU the set is sought first among the tokens at or above ``TOP_P_FLOOR``, row by row (a pass
+    over the row and a sort of a few: a third of a partial top-k's time), then among the most likely
+    few hundred (a partial top-k costs 25-35 times less than sorting a 49k vocabulary). Either way
+    the candidates are the sort's first values in its order, and a prefix's cumulative sums do not
+    depend on what follows it, so when the mass before the last candidate reaches top_p (with a
+    margin over rounding) the kept set is the one the full sort keeps. Elsewhere (where reading that
+    test back would stall the device) the row is sorted."""
     width = probs.shape[-1]
+    if probs.device.type == "cpu" and (kept := _top_p_above_floor(probs, top_p)) is not None:
+        return kept
     for candidates in TOP_P_CANDIDATES if probs.device.type == "cpu" else ():
         if candidates >= width:
             break
@@ -220,6 +246,24 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             return _keep_until(probs, values, order, mass_before, top_p)
     values, order = probs.sort(dim=-1, descending=True)  # [T, V]
     return _keep_until(probs, values, order, values.cumsum(-1) - values, top_p)
+
+
+def _top_p_above_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """``_top_p`` of probs [T, V] (on the CPU) among each row's tokens at or above ``TOP_P_FLOOR``,
+    found by numpy (a pass over 49k values in 10 us, where torch's comparison and nonzero took 40),
+    then sorted; None where a row's fall short of top_p (a flat row, or top_p reaching its tail)."""
+    kept = torch.zeros_like(probs)  # [T, V]
+    for row in range(probs.shape[0]):
+        ids = torch.from_numpy(np.flatnonzero(probs[row].numpy() >= TOP_P_FLOOR))  # [C]
+        values, order = probs[row, ids].sort(descending=True)  # [C], [C]
+        mass = values.cumsum(-1)  # [C] the mass up to each, in the sort's order
+        if not values.numel() or float(mass[-1]) < top_p + TOP_P_MARGIN:
+            return None  # a token below the floor may stay (the mass ahead of it is all of theirs)
+        mass_before = mass - values  # [C]
+        drop = mass_before >= top_p  # [C]
+        drop[0] = False  # the most likely token always stays
+        kept[row, ids[order]] = values.masked_fill(drop, 0.0)
+    return kept
 
 
 def _keep_until(

@@ -151,7 +151,27 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
 
 
 def keyed_uniforms(seed: int, start: int, count: int, device: torch.device) -> torch.Tensor:
-    """u(seed, t) for t = start .. start + count - 1: [count] float64 in [0, 1), 53 random bits each."""
+    """u(seed, t) for t = start .. start + count - 1: [count] float64 in [0, 1), 53 random bits each.
+    On a CPU the host's integers compute them (a dozen tensor operations cost a step 50 us)."""
+    if device.type != "cpu":
+        return device_uniforms(seed, start, count, device)
+    mask = 2**64 - 1
+    key = _splitmix_int(seed & mask)
+    draws = [(_splitmix_int(key ^ (t & mask)) >> 11) * 2.0**-53 for t in range(start, start + count)]
+    return torch.tensor(draws, dtype=torch.float64)  # [count]
+
+
+def _splitmix_int(x: int) -> int:
+    """``_splitmix`` over unsigned 64-bit Python integers: the same bits."""
+    mask = 2**64 - 1
+    x = (x + _GOLDEN) & mask
+    x = ((x ^ (x >> 30)) * _MIX1) & mask
+    x = ((x ^ (x >> 27)) * _MIX2) & mask
+    return x ^ (x >> 31)
+
+
+def device_uniforms(seed: int, start: int, count: int, device: torch.device) -> torch.Tensor:
+    """``keyed_uniforms`` computed on ``device`` in int64 arithmetic (no host-to-device copy)."""
     key = _splitmix(torch.full((), (seed + 2**63) % 2**64 - 2**63, dtype=torch.long, device=device))  # []
     positions = torch.arange(start, start + count, dtype=torch.long, device=device)  # [count]
     return _shift_right(_splitmix(key ^ positions), 11).double() * 2.0**-53

@@ -43,11 +43,11 @@ def sorted_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, values.masked_fill(drop, 0.0))
 
 
-@pytest.mark.parametrize("sharpness", [8.0, 3.0, 1.0, 0.05])
+@pytest.mark.parametrize("sharpness", [40.0, 8.0, 3.0, 1.0, 0.05])
 def test_top_p_over_a_few_candidates_keeps_what_a_full_sort_keeps(sharpness, monkeypatch):
-    """The partial top-k path agrees bit for bit with sorting the whole row, whether the kept set
-    lies within the first rung (peaked rows), needs the second, or only the full sort finds it (a
-    nearly flat row), with rows of zeros (after top_k) among them."""
+    """The candidates' paths agree bit for bit with sorting the whole row, whether the kept set lies
+    among the tokens above the floor (peaked rows), needs a partial top-k, or only the full sort finds
+    it (a nearly flat row), with rows of zeros (after top_k) among them."""
     import engine.sampling as sampling
 
     generator = torch.Generator().manual_seed(int(sharpness * 100))
@@ -60,8 +60,8 @@ def test_top_p_over_a_few_candidates_keeps_what_a_full_sort_keeps(sharpness, mon
     for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
         rungs.clear()
         assert torch.equal(sampling._top_p(probs, top_p), sorted_top_p(probs, top_p)), top_p
-        if sharpness == 8.0 and top_p <= 0.95:
-            assert rungs == [256]  # peaked: the first rung suffices
+        if sharpness == 8.0 and top_p <= 0.95 or sharpness == 40.0:
+            assert rungs == []  # peaked (one token holding nearly all, at 40): the tokens above the floor suffice
         if sharpness == 0.05:
             assert rungs == list(sampling.TOP_P_CANDIDATES)  # flat: every rung falls short, then the sort
 
@@ -86,6 +86,40 @@ def test_penalties_for_drafted_positions_match_committed_history():
         reference = sampler(prompt=[2], **params)
         reference.commit(drafts[:t].tolist())
         assert torch.allclose(verified[t], reference.probs(logits[t : t + 1])[0], atol=1e-6)
+
+
+def penalised_everywhere(logits, prompt, output, drafts, presence, frequency, repetition):
+    """The penalties' definition over every id of every row: row t follows the output and drafts[:A - (T - 1) + t]."""
+    rows = []
+    for t in range(logits.shape[0]):
+        counts = torch.zeros(logits.shape[1])
+        for token in output + drafts[: len(drafts) - (logits.shape[0] - 1) + t]:
+            counts[token] += 1
+        seen = counts > 0
+        seen[prompt] = True
+        row = logits[t] - frequency * counts - presence * (counts > 0).float()
+        rows.append(torch.where(seen, torch.where(row > 0, row / repetition, row * repetition), row))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("penalties", [(0.7, 0.4, 1.4), (0.0, 0.0, 1.1), (-0.5, 1.2, 1.0)])
+def test_penalties_at_the_ids_they_can_move_are_the_definition_over_every_id(penalties):
+    """The sampler moves only the logits of ids in the history and the drafts (a few hundred of 49k):
+    the same bits as the penalties computed over the whole row, with an id drafted twice, drafted
+    after it was committed, and in the prompt alone."""
+    presence, frequency, repetition = penalties
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 300, generator=generator) * 3  # [T, V]
+    prompt, output, drafts = [5, 17, 17, 250], [17, 42, 42, 99], [42, 7, 7]
+    params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
+    sampling = RequestSampler(params, 300, torch.device("cpu"), prompt, seed=0)
+    sampling.commit(output[:2])
+    sampling.commit(output[2:])
+    seen_in_prompt = prompt if repetition != 1.0 else []
+    moved = sampling._transformed(logits, torch.tensor(drafts))
+    assert torch.equal(moved, penalised_everywhere(logits, seen_in_prompt, output, drafts, *penalties))
+    alone = sampling._transformed(logits[:1], None)  # a decode step's one row, nothing drafted
+    assert torch.equal(alone, penalised_everywhere(logits[:1], seen_in_prompt, output, [], *penalties))
 
 
 def test_repetition_penalty_covers_the_prompt_presence_penalty_does_not():

@@ -12,7 +12,7 @@ import torch
 
 from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
-from engine.spec import inverse_cdf, keyed_tokens, keyed_uniforms, sample_one
+from engine.spec import device_uniforms, inverse_cdf, keyed_tokens, keyed_uniforms, sample_one
 from engine.stats import SpecStats
 from tests.test_lossless import ALPHA, PROMPT, chi_square_pvalue, exact_distribution, run
 from tests.tiny import DEVICE_PATH_SETUPS, DRAFTER_SETUPS, perturbed_copy, setup_engine, tiny_llama
@@ -51,6 +51,14 @@ def test_keyed_uniforms_are_fixed_by_seed_and_position_and_spread_evenly():
     for seed in (2**63 - 1, -(2**63)):
         extreme = keyed_uniforms(seed, 2**40, 3, torch.device("cpu"))
         assert float(extreme.min()) >= 0.0 and float(extreme.max()) < 1.0
+
+
+def test_keyed_uniforms_on_the_host_are_the_devices_bits():
+    """On a CPU the host's integers compute u(seed, t); elsewhere the device's int64 arithmetic does."""
+    cpu = torch.device("cpu")
+    for seed, start in ((0, 0), (7, 10), (-1, 2**40), (2**63 - 1, 5), (-(2**63), 2**62), (12345, 2**62 + 7)):
+        host = keyed_uniforms(seed, start, 3, cpu)
+        assert host.dtype == torch.float64 and torch.equal(host, device_uniforms(seed, start, 3, cpu))
 
 
 def test_inverse_cdf_is_sample_ones_draw_row_by_row():
