@@ -39,11 +39,11 @@ class StepCosts:
     Verify costs come either from steps alone, one running average per k, or from a line over k
     timed at start-up (``expect``) that live steps then correct as a whole: its level by one shift
     shared by all k (every step, whatever its k, updates it), its slope by the median of the last
-    ROW_READINGS slopes between consecutive steps of different k. Start-up times a verify over a
-    context of a few tokens; over a real one each row also attends to every cached token, so a row
-    costs more (here 0.96 ms a row at start-up, 1.25 at 200 cached tokens, 2.0 at 1,600), and with
-    the start-up slope the steps that drafted pushed the shared shift, and with it the price of a
-    plain step, up by what their rows cost more: drafting looked cheaper than it was. Consecutive
+    ROW_READINGS slopes between consecutive steps of different k. Start-up times a verify after a
+    chat turn's context (``measure.VERIFY_CONTEXT``); over a longer one each row also attends to more
+    cached tokens, so a row costs more (float32: 0.96 ms a row at a few tokens, 1.25 at 200, 2.0 at
+    1,600), and with the start-up slope the steps that drafted pushed the shared shift, and with it the
+    price of a plain step, up by what their rows cost more: drafting looked cheaper than it was. Consecutive
     steps read nearly the same context, and a median is not moved by one slow reading (a busy
     host), as a least-squares slope would be. A k the policy seldom picks is priced from what the
     others measure, and one slow reading cannot keep its k from being tried again."""

@@ -41,7 +41,7 @@ import time
 from dataclasses import replace
 
 from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, beats_plain, expected_tokens
-from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line
+from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line, verify_seconds
 from ..model.model import upload
 from ..sampling import RequestSampler
 from .auto_state import (
@@ -88,14 +88,14 @@ class AutoDrafter(Drafter):
         self._choice: StepChoice | None = None
 
     def warm_up(self) -> None:
-        """Price the candidates before the first request: the target's forward over k + 1 tokens for each k (best
-        of two, on a robust line: readings scatter by 10-15%, and a high one would keep its k from ever being
-        tried), the draft model's step, its catch-up costs, its agreement with the target (unless measured)."""
+        """Price the candidates before the first request: the target's verify over k + 1 tokens for each k, after a
+        chat turn's context (best of two, on a robust line: readings scatter by 10-15%, and a high one would keep
+        its k from ever being tried), the draft model's step and catch-up, its agreement (unless measured)."""
         if self.resources is None:
             return
         target, draft, config = self.resources.target, self.resources.draft, self.resources.config
         max_query = config.num_draft_tokens + 2
-        timed = [read_seconds(target, k + 1, 2, num_logits=k + 1) for k in range(max_query - 1)]  # as a verify
+        timed = verify_seconds(target, max_query - 2)
         draft_step = None
         if draft is not None:
             draft_step = read_seconds(draft, 1, repeats=3)

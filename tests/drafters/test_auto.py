@@ -10,7 +10,7 @@ import torch
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
 from engine.drafters.auto_state import HOT_MATCH_PRIORS, MATCH_PRIORS, match_track
 from engine.factory import warm_up
-from engine.measure import robust_line
+from engine.measure import VERIFY_CONTEXT, robust_line, verify_seconds
 from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
@@ -384,6 +384,22 @@ def test_one_disturbed_start_up_timing_cannot_tip_the_verify_line(timed):
     assert robust_line(timed) == pytest.approx([6.0, 8.0, 10.0, 12.0, 14.0])
     assert robust_line([5.0, 4.0, 3.0, 2.0, 1.0]) == [3.0] * 5  # no k is cheaper than a smaller one
     assert min(robust_line([1.0, 1.0, 1.0, 9.0, 9.0])) == 0.5  # and none is free
+
+
+def test_start_up_times_every_k_after_a_chat_turns_context():
+    """Each verify row attends to every cached token: timed from an empty cache a row cost half what
+    it does in a chat turn, and the first request drafted at that price. The context is read once,
+    every k timed after it in rounds, and the cache left empty."""
+    target = auto_engine().target
+    calls, extend = [], target.extend
+    target.extend = lambda token_ids, num_logits=1: (
+        calls.append((target.cache.length, len(token_ids), num_logits)) or extend(token_ids, num_logits)
+    )
+    line = verify_seconds(target, 3, rounds=2)
+    context = min(VERIFY_CONTEXT, target.max_len - 4)
+    assert context > 100 and len(line) == 4 and all(seconds > 0 for seconds in line) and target.cache.length == 0
+    assert calls[0] == (0, context, 0)  # the context, read once
+    assert calls[1:] == [(context, k + 1, k + 1) for k in range(4)] * 2  # every k over it, all rows scored
 
 
 def test_live_verify_timings_move_the_start_up_line_as_a_whole():
