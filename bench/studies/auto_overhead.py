@@ -142,7 +142,7 @@ def main() -> None:
     )
     report[entry] = {
         "host": host(),
-        "model": "embedded SmolLM2-135M-Instruct on its GGUF blocks, float32 activations, in process",
+        "model": f"embedded SmolLM2-135M-Instruct on its GGUF blocks, {engine.config.activations} activations, in process",
         "kept_draft": engine.config.draft,
         "rounds": args.rounds,
         "scopes": "one per configuration and round" if args.one_scope else "one per request",
