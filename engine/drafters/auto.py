@@ -13,7 +13,7 @@ v(k) are timed at start-up, then live, shared by requests (v as a line over k, `
 Text matching is asked first at every step, since its proposal costs next to nothing to make: the
 choice then knows how many tokens it offers and how long a match they continue, and its acceptance
 is tracked per match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a
-longer one mostly does; a hot request's, sampled at 0.7 or above, on tracks of its own: ``@2~``), so
+longer one mostly does; a request sampled hot or penalising repeats on tracks of its own: ``@2~``), so
 a long match wins the step and a weak one leaves it to plain decoding or the draft model. Its cost is
 its verify rows alone. An offer the step declines is scored by the token committed where its first
 draft stood, so its acceptance stays current without probes. A draft model's step must also beat the
@@ -46,12 +46,12 @@ from ..model.model import upload
 from ..sampling import RequestSampler
 from .auto_state import (
     EVIDENCE_DECAY,
-    HOT_TEMPERATURE,
     MODEL_PRIOR_TOKENS,
     PRIOR_TOKENS,
     RequestState,
     StepChoice,
     continued,
+    damps_repeats,
     match_priors,
     match_track,
 )
@@ -129,7 +129,7 @@ class AutoDrafter(Drafter):
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
-        request.step, request.hot = request.step + 1, sampler.params.temperature >= HOT_TEMPERATURE
+        request.step, request.damped = request.step + 1, damps_repeats(sampler.params)
         self._score_declined(token_ids)
         offers = self._offers(token_ids, num_draft_tokens)
         text_step = self._text_step(offers) if self.verify.knows(0) else None
@@ -258,7 +258,7 @@ class AutoDrafter(Drafter):
         offers = {}
         for name in self._texts if limit > 0 else ():
             if drafts := self.candidates[name].offer(token_ids, limit):
-                offers[name] = (drafts, match_track(name, self.candidates[name].match_length, self._request.hot))
+                offers[name] = (drafts, match_track(name, self.candidates[name].match_length, self._request.damped))
         return offers
 
     def expect_catch_up(self, seconds_per_token: float, seconds_per_extra_row: float | None = None) -> None:

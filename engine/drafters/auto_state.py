@@ -20,28 +20,35 @@ PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of mat
 # continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
 # tokens or more, in chat as in code). A draft model's is ALPHA_PRIOR until start-up measures it.
 MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
-# A hot request's text match passes as the target draws the token it continues with, which a weak
-# match's seldom is: its own tracks (``suffix@2~``), from lower priors. First drafts that passed on
-# chat and prose / code and summaries (bench/prompts.yaml, docs/drafters.md), after a match of one
-# token: 0.10-0.12 / 0.27-0.33 from temperature 0 to 0.5, 0.06-0.11 / 0.20-0.24 at 0.8 and 1; two
-# to three tokens: 0.34-0.50 / 0.79-0.87, then 0.13-0.19 / 0.50-0.62.
-HOT_TEMPERATURE = 0.7  # a request sampled at this temperature or above is hot
-HOT_MATCH_PRIORS = {1: 0.15, 2: 0.4, 4: 0.75, 8: 0.85}
-HOT = "~"  # what ends a hot request's track
+# A damped request's text match passes as the target draws the token it continues with (sampled
+# hot), or in spite of a penalty on the repeat it drafts: its own tracks (``suffix@2~``), from lower
+# priors. First drafts that passed on chat and prose / code and summaries after a match of one token
+# (bench/studies/match_acceptance.py): 0.10-0.12 / 0.27-0.33 from temperature 0 to 0.5, 0.06-0.11 /
+# 0.20-0.24 at 0.8 and 1, 0.07-0.16 / 0.08-0.17 under a repetition penalty of 1.1 (greedy to 0.8);
+# after two to three: 0.34-0.50 / 0.79-0.87, then 0.13-0.19 / 0.50-0.62, and 0 of 25 / 0.33-0.40.
+HOT_TEMPERATURE = 0.7
+DAMPED_MATCH_PRIORS = {1: 0.15, 2: 0.4, 4: 0.75, 8: 0.85}
+DAMPED = "~"  # what ends a damped request's track
+
+
+def damps_repeats(params) -> bool:
+    """Whether a request's text matches pass less often than a greedy one's: sampled at
+    HOT_TEMPERATURE or above, or penalising repeats (a text match drafts a repeat)."""
+    return params.temperature >= HOT_TEMPERATURE or params.uses_history
 
 
 @cache  # asked several times a step, of a handful of names and lengths
-def match_track(name: str, match_length: int, hot: bool = False) -> str:  # suffix@4: a match of 4 to 7 tokens
+def match_track(name: str, match_length: int, damped: bool = False) -> str:  # suffix@4: a match of 4 to 7 tokens
     bucket = max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))
-    return f"{name}@{bucket}{HOT if hot else ''}"
+    return f"{name}@{bucket}{DAMPED if damped else ''}"
 
 
 def match_priors(names: list[str]) -> dict[str, float]:
-    """The text matchers' tracks' priors, hot and not."""
+    """The text matchers' tracks' priors, damped and not."""
     return {
-        match_track(name, length, hot): prior
+        match_track(name, length, damped): prior
         for name in names
-        for hot, priors in ((False, MATCH_PRIORS), (True, HOT_MATCH_PRIORS))
+        for damped, priors in ((False, MATCH_PRIORS), (True, DAMPED_MATCH_PRIORS))
         for length, prior in priors.items()
     }
 
@@ -51,8 +58,8 @@ def continued(track: str, count: int) -> tuple[str, ...]:
     """The tracks a text match's drafts 1..count are accepted on: draft i continues the match i - 1
     tokens further (suffix@1's drafts: suffix@1, suffix@2, suffix@2, suffix@4)."""
     name, length = track.rsplit("@", 1)
-    hot = length.endswith(HOT)
-    return tuple(match_track(name, int(length.rstrip(HOT)) + index, hot) for index in range(count))
+    damped = length.endswith(DAMPED)
+    return tuple(match_track(name, int(length.rstrip(DAMPED)) + index, damped) for index in range(count))
 
 
 @dataclass(slots=True)
@@ -92,7 +99,7 @@ class RequestState:
     # catch-up is paid back over those
     text_taken: tuple[float, float] = field(default_factory=lambda: (0.0, LEFT_PRIOR_STEPS))
     step: int = 0
-    hot: bool = False  # sampled at HOT_TEMPERATURE or above: its text matches' tracks are its own
+    damped: bool = False  # sampled hot or penalising repeats: its text matches' tracks are its own
 
     def keep_pace(self, tokens: float, seconds: float) -> None:
         """This step's best of text matching and a plain step, into the pace a draft step must beat."""

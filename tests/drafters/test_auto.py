@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
-from engine.drafters.auto_state import HOT_MATCH_PRIORS, MATCH_PRIORS, match_track
+from engine.drafters.auto_state import DAMPED_MATCH_PRIORS, MATCH_PRIORS, match_track
 from engine.factory import warm_up
 from engine.measure import VERIFY_CONTEXT, robust_line, verify_seconds
 from engine.request import Request
@@ -123,26 +123,28 @@ def test_the_offer_is_what_a_step_choosing_text_matching_drafts():
     assert auto._request.evidence["suffix@4"] == (4, 0)  # all four passed, on the track of a 4-7 token match
 
 
-def test_a_hot_request_prices_its_text_matches_on_tracks_of_their_own():
-    """A text match passes only where the target draws the token it continues with: a request
-    sampled hot has tracks of its own (``suffix@1~``) from lower priors, so where a verify row costs a
-    fifth of a step, the one-token match a greedy (or cool) request drafts is left to a plain step,
-    and scored as declined."""
+def test_a_damped_request_prices_its_text_matches_on_tracks_of_their_own():
+    """A text match passes only where the target draws the token it continues with, against any
+    penalty on repeating it: a request sampled hot, or penalising repeats, has tracks of its own
+    (``suffix@1~``) from lower priors, so where a verify row costs a fifth of a step, the one-token
+    match a greedy (or cool) request drafts is left to a plain step, and scored as declined."""
     engine = auto_engine()
     warm_up(engine)
     auto = engine.drafter("auto")
     auto.verify = StepCosts(0.0, {k: 0.030 * (1 + 0.2 * k) for k in range(5)})
-    assert auto.priors["suffix@1~"] == HOT_MATCH_PRIORS[1] < auto.priors["suffix@1"] == MATCH_PRIORS[1]
+    assert auto.priors["suffix@1~"] == DAMPED_MATCH_PRIORS[1] < auto.priors["suffix@1"] == MATCH_PRIORS[1]
     prompt = [7, 8, 9, 10, 11, 12, 9]  # 9 was followed by 10: a one-token match
-    for temperature, drafter, track in (
-        (0.0, "suffix", "suffix@1"),
-        (0.3, "suffix", "suffix@1"),
-        (0.8, "none", "suffix@1~"),
+    for temperature, penalty, drafter, track in (
+        (0.0, 1.0, "suffix", "suffix@1"),
+        (0.3, 1.0, "suffix", "suffix@1"),
+        (0.8, 1.0, "none", "suffix@1~"),
+        (0.0, 1.1, "none", "suffix@1~"),
     ):
         auto.begin(prompt)
         auto._request.alpha |= {"model": 0.0, "staged": 0.0}
         auto._request.last_tried = dict.fromkeys([*auto.candidates, *auto.priors], 0)
-        sampler = RequestSampler(SamplingParams(temperature=temperature), 96, torch.device("cpu"), prompt, seed=0)
+        params = SamplingParams(temperature=temperature, repetition_penalty=penalty)
+        sampler = RequestSampler(params, 96, torch.device("cpu"), prompt, seed=0)
         proposal = auto.propose(prompt, 1, sampler)
         assert proposal.drafter == drafter and proposal.token_ids.tolist() == ([10] if drafter == "suffix" else [])
         assert auto._choice.track == (track if drafter == "suffix" else None)

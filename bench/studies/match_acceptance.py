@@ -1,0 +1,104 @@
+"""Study: how often does a text match's first draft pass, by match length and sampling? Answer: docs/drafters.md#damped-requests.
+
+Where ``auto``'s text-match priors come from (engine/drafters/auto_state.py, MATCH_PRIORS and
+DAMPED_MATCH_PRIORS). ``suffix`` alone drafts the first turn of every chat, prose, code and summarise
+prompt of bench/prompts.yaml, 96 tokens, each request its own scope, under each sampling setting
+(temperatures 0 to 1 with no penalty; greedy, 0.1 and 0.8 under the embedded model's repetition
+penalty of 1.1 and top_p of 0.9; sampled ones seeded 0 and 1). Every drafted step's first draft is
+filed by the length of the match it continues (1, 2-3, 4-7, 8 or more tokens: ``suffix@1`` ...) and
+by type (chat and prose; code and summaries): how many passed of how many were drafted.
+
+    .venv/bin/python bench/studies/match_acceptance.py [--max-tokens 96]
+
+Writes the "match acceptance" entry of bench/results/auto_choices.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.host import host  # noqa: E402
+from bench.runners import Conversation, chat_ids  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.drafters.auto_state import match_track  # noqa: E402
+from engine.factory import load_engine  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[1]
+GROUPS = {
+    "chat": "chat and prose",
+    "prose": "chat and prose",
+    "code": "code and summaries",
+    "summarise": "code and summaries",
+}
+PENALISED = {"repetition_penalty": 1.1, "top_p": 0.9}
+SETTINGS = {
+    **{f"temperature {t}": {"temperature": t} for t in (0.0, 0.1, 0.3, 0.5, 0.8, 1.0)},
+    **{f"temperature {t}, repetition penalty 1.1, top_p 0.9": {"temperature": t, **PENALISED} for t in (0.0, 0.1, 0.8)},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args()
+    loaded = load_engine(EngineConfig(drafter="suffix", draft=None, max_model_len=4096), show_progress=False)
+    engine, suffix = loaded.engine, loaded.engine.drafter("suffix")
+    drafted: list[tuple[int, int]] = []  # (match length, first draft passed) per drafted step
+    offer, accept, pending = suffix.offer, suffix.accept, {}
+
+    def offering(token_ids: list[int], limit: int) -> list[int]:
+        tokens = offer(token_ids, limit)
+        pending["step"] = (len(token_ids), suffix.match_length) if tokens else None
+        return tokens
+
+    def accepting(num_committed: int) -> None:
+        if (step := pending.pop("step", None)) is not None:
+            drafted.append((step[1], int(num_committed > step[0])))
+        accept(num_committed)
+
+    suffix.offer, suffix.accept = offering, accepting
+    prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
+    results: dict = {}
+    for setting, sampling in SETTINGS.items():
+        counts: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # group -> track -> [passed, drafted]
+        for kind, group in GROUPS.items():
+            for index, entry in enumerate(prompts[kind]):
+                prompt_ids = chat_ids(loaded.tokenizer, Conversation.of(entry).first_request())
+                for seed in (0, 1) if sampling["temperature"] else (0,):
+                    drafted.clear()
+                    params = SamplingParams(
+                        max_tokens=args.max_tokens, seed=seed, **{"repetition_penalty": 1.0, **sampling}
+                    )
+                    scope = f"{setting}/{kind}{index}/{seed}"
+                    list(engine.generate(Request(scope, prompt_ids, params, drafter="suffix", tenant=scope)))
+                    for length, passed in drafted:
+                        tally = counts[group][match_track("suffix", length)]
+                        tally[0] += passed
+                        tally[1] += 1
+        results[setting] = {
+            group: {track: f"{p}/{n}" for track, (p, n) in sorted(by.items())} for group, by in counts.items()
+        }
+        print(setting, results[setting], flush=True)
+    out = BENCH / "results" / "auto_choices.json"
+    report = json.loads(out.read_text()) if out.is_file() else {}
+    report["match acceptance"] = {
+        "host": host(bandwidth=False),
+        "study": "bench/studies/match_acceptance.py: first drafts of suffix alone that passed, of those drafted",
+        "max_tokens": args.max_tokens,
+        "results": results,
+    }
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
