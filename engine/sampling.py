@@ -154,7 +154,7 @@ class RequestSampler:
         """
         logits = self._transformed(logits, appended)  # [T, V]
         if self.params.greedy:
-            return one_hot(logits.argmax(-1), self.vocab_size)  # [T, V]
+            return one_hot(first_largest(logits), self.vocab_size)  # [T, V]
         logits = logits / self.params.temperature
         if self.params.top_k > 0 and self.params.top_k < self.vocab_size:
             kth = torch.topk(logits, self.params.top_k, dim=-1).values[:, -1:]  # [T, 1]
@@ -170,7 +170,7 @@ class RequestSampler:
     def greedy_tokens(self, logits: torch.Tensor, appended: torch.Tensor | None = None) -> torch.Tensor:
         """At temperature 0: logits [T, V] -> [T] the token each row's distribution (``probs``'s
         one-hot row) puts all its mass on, after the same penalties, bias and constraint."""
-        return self._transformed(logits, appended).argmax(-1)  # [T]
+        return first_largest(self._transformed(logits, appended))  # [T]
 
     def _transformed(self, logits: torch.Tensor, appended: torch.Tensor | None) -> torch.Tensor:
         """logits [T, V] in float32 over the tokenizer's ids, after penalties, bias and constraint."""
@@ -207,6 +207,15 @@ class RequestSampler:
             penalised = torch.where(moved > 0, moved / p.repetition_penalty, moved * p.repetition_penalty)
             moved = torch.where(seen, penalised, moved)
         return logits.index_copy(1, ids, moved)  # [T, V]
+
+
+def first_largest(logits: torch.Tensor) -> torch.Tensor:
+    """logits [T, V] -> [T] int64: each row's first largest id (a NaN counts as largest), as ``argmax``.
+    On a CPU by numpy: torch's took 71 us over a 49k row on a 2-core host, numpy's 4 (a greedy step's
+    whole sampling)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1))
+    return logits.argmax(-1)
 
 
 def one_hot(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

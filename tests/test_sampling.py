@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import RequestSampler, SamplingError, SamplingParams
+from engine.sampling import RequestSampler, SamplingError, SamplingParams, first_largest
 
 
 def sampler(prompt=(), **params) -> RequestSampler:
@@ -64,6 +64,17 @@ def test_top_p_over_a_few_candidates_keeps_what_a_full_sort_keeps(sharpness, mon
             assert rungs == []  # peaked (one token holding nearly all, at 40): the tokens above the floor suffice
         if sharpness == 0.05:
             assert rungs == list(sampling.TOP_P_CANDIDATES)  # flat: every rung falls short, then the sort
+
+
+def test_the_first_largest_id_is_torchs_argmax_with_ties_and_nans():
+    """Greedy picks by numpy on a CPU: the same id as ``argmax``, the first of tied largest values, the
+    first NaN, over a row cut from a wider one (logits past the tokenizer's vocabulary)."""
+    generator = torch.Generator().manual_seed(0)
+    for index in range(50):
+        logits = torch.randint(-3, 3, (3, 60), generator=generator).float()  # [T, V] many ties
+        logits[1, index % 60] = float("nan")
+        view = logits[:, :50]  # strided
+        assert torch.equal(first_largest(view), view.argmax(-1)) and first_largest(view).dtype == torch.long
 
 
 def test_min_p_drops_tokens_below_fraction_of_max():

@@ -28,6 +28,9 @@ class KVCache:
         shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
         self.keys = lazy_zeros(shape, dtype, device)  # [L, 1, H_kv, S, D]
         self.values = lazy_zeros(shape, dtype, device)  # [L, 1, H_kv, S, D]
+        self._by_layer = list(
+            zip(self.keys.unbind(0), self.values.unbind(0), strict=True)
+        )  # a step asks for these views
         self.max_len = max_len
         # The tokens whose keys and values are in [:length]. Tokens fed as device tensors (drafts
         # sampled on the device) are UNKNOWN here until ``rollback`` is told the committed sequence.
@@ -118,7 +121,7 @@ class KVCache:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values [1, H_kv, S, D], for an op that writes them itself
         (specserve::decode_layer, as ``write_rotating`` does)."""
-        return self.keys[layer], self.values[layer]
+        return self._by_layer[layer]
 
     def write_rotating(
         self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, start: int, window: int

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..cpu.blocks import DIRECT_ROWS, layer_blocks, native_ops_available
+from ..cpu.blocks import DIRECT_ROWS, native_ops_available
 from ..errors import ConfigError
 from .attention import attend, native_attention
 from .kernels import Pointwise
@@ -287,7 +287,7 @@ class CausalLM:
         for index in layers:
             layer = self.layers[index]
             # a layer whose products are all GGUF blocks, at decode or verify: one call (the same values)
-            blocks = layer_blocks(self.weights.prepared, self._layer_products[index]) if fusable else None
+            blocks = self.weights.layer_arguments(self._layer_products[index]) if fusable else None
             if blocks is not None:
                 keys, values = self.cache.layer(index)
                 entering, hidden, delta = torch.ops.specserve.decode_layer.default(

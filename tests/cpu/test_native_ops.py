@@ -14,6 +14,7 @@ import torch
 
 from engine.cpu import blocks as blocks_module
 from engine.cpu.blocks import kernel_isa, layer_blocks, offer_blocks
+from engine.cpu.matmul import BLOCKS, MatmulPlan
 from engine.model import kernels
 from engine.model.kv import KVCache
 from tests.tiny import quantize_in_place, tiny_engine, tiny_llama
@@ -157,3 +158,18 @@ def test_a_fused_layer_gives_the_op_by_op_values_bit_for_bit():
     with torch.profiler.profile() as profile:  # and the fused model did run its layers as one op each
         fused.extend([41])
     assert sum(e.count for e in profile.key_averages() if e.key == "specserve::decode_layer") == len(fused.layers)
+
+
+def test_a_layers_fused_arguments_are_built_once_while_its_weights_are_held_alike():
+    """A step asks for each layer's decode_layer arguments: built once, the same tuple while the same
+    weights are held, built anew from the new weights once a plan changes how they are held."""
+    model = blocks_model(True)
+    products = model._layer_products[0]
+    first = model.weights.layer_arguments(products)
+    assert first is not None and model.weights.layer_arguments(products) is first
+    assert model.weights.layer_arguments(None) is None  # a layer the fused op does not apply to
+    model.weights.use_plan(MatmulPlan())  # every product dense again: no blocks to fuse
+    assert model.weights.layer_arguments(products) is None
+    model.weights.use_plan(MatmulPlan.uniform(BLOCKS, 8, model.weights.shapes))  # the blocks again
+    again = model.weights.layer_arguments(products)
+    assert again is not first and again == layer_blocks(model.weights.prepared, products)
