@@ -240,9 +240,9 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     over the row and a sort of a few: a third of a partial top-k's time), then among the most likely
     few hundred (a partial top-k costs 25-35 times less than sorting a 49k vocabulary). Either way
     the candidates are the sort's first values in its order, and a prefix's cumulative sums do not
-    depend on what follows it, so when the mass before the last candidate reaches top_p (with a
-    margin over rounding) the kept set is the one the full sort keeps. Elsewhere (where reading that
-    test back would stall the device) the row is sorted."""
+    depend on what follows it, so when their mass reaches top_p (with a margin over rounding; the
+    top-k's, less its last candidate) the kept set is the one the full sort keeps. Elsewhere (where
+    reading that test back would stall the device) the row is sorted."""
     width = probs.shape[-1]
     if probs.device.type == "cpu" and (kept := _top_p_above_floor(probs, top_p)) is not None:
         return kept

@@ -89,7 +89,7 @@ class AutoDrafter(Drafter):
 
     def warm_up(self) -> None:
         """Price the candidates before the first request: the target's verify over k + 1 tokens for each k, after a
-        chat turn's context (best of two, on a robust line: readings scatter by 10-15%, and a high one would keep
+        chat turn's context (best of three, on a robust line: readings scatter by 10-15%, and a high one would keep
         its k from ever being tried), the draft model's step and catch-up, its agreement (unless measured)."""
         if self.resources is None:
             return

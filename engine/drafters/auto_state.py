@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from ..adaptive import ALPHA_PRIOR
+from ..sampling import SamplingParams
 
 PRIOR_TOKENS = 2.0  # a request's prior counts as this many proposed tokens of evidence
 # a draft model's prior (its agreement measured at start-up, or a head's recorded beside it) counts as
@@ -31,7 +32,7 @@ DAMPED_MATCH_PRIORS = {1: 0.15, 2: 0.4, 4: 0.75, 8: 0.85}
 DAMPED = "~"  # what ends a damped request's track
 
 
-def damps_repeats(params) -> bool:
+def damps_repeats(params: SamplingParams) -> bool:
     """Whether a request's text matches pass less often than a greedy one's: sampled at
     HOT_TEMPERATURE or above, or penalising repeats (a text match drafts a repeat)."""
     return params.temperature >= HOT_TEMPERATURE or params.uses_history

@@ -176,8 +176,8 @@ class ProductWeights:
 
     def layer_arguments(self, products: list | None) -> tuple | None:
         """specserve::decode_layer's arguments for a layer's products (``layer_blocks``), built once
-        while ``prepared`` holds the same weights (only use_plan and quantize_int8 change it, and they
-        forget them): a step asks once a layer, and building them anew cost it 0.25 ms (3.7%)."""
+        while ``prepared`` holds the same weights (only use_plan changes it, and forgets them;
+        quantize_int8 through it): a step asks once a layer, and building them anew cost 0.27-0.29 ms."""
         if products is None:
             return None
         kept = self._layers.get(id(products))
