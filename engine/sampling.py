@@ -252,9 +252,9 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         values, order = probs.topk(candidates, dim=-1)  # [T, C] descending
         mass_before = values.cumsum(-1) - values  # [T, C]
         if bool((mass_before[:, -1] >= top_p + TOP_P_MARGIN).all()):
-            return _keep_until(probs, values, order, mass_before, top_p)
+            return _keep_until(torch.zeros_like(probs), values, order, mass_before, top_p)
     values, order = probs.sort(dim=-1, descending=True)  # [T, V]
-    return _keep_until(probs, values, order, values.cumsum(-1) - values, top_p)
+    return _keep_until(torch.zeros_like(probs), values, order, values.cumsum(-1) - values, top_p)
 
 
 def _top_p_above_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
@@ -268,18 +268,15 @@ def _top_p_above_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor | None
         mass = values.cumsum(-1)  # [C] the mass up to each, in the sort's order
         if not values.numel() or float(mass[-1]) < top_p + TOP_P_MARGIN:
             return None  # a token below the floor may stay (the mass ahead of it is all of theirs)
-        mass_before = mass - values  # [C]
-        drop = mass_before >= top_p  # [C]
-        drop[0] = False  # the most likely token always stays
-        kept[row, ids[order]] = values.masked_fill(drop, 0.0)
+        _keep_until(kept[row : row + 1], values[None], ids[order][None], (mass - values)[None], top_p)
     return kept
 
 
 def _keep_until(
-    probs: torch.Tensor, values: torch.Tensor, order: torch.Tensor, mass_before: torch.Tensor, top_p: float
+    kept: torch.Tensor, values: torch.Tensor, order: torch.Tensor, mass_before: torch.Tensor, top_p: float
 ) -> torch.Tensor:
-    """probs [T, V] with only the tokens ``order`` [T, C] (by descending ``values``) keeps: those
-    whose ``mass_before`` (the mass of the tokens ahead of them) is under top_p."""
+    """Write into ``kept`` [T, V] (zeros) the probabilities of the tokens ``order`` [T, C] (by
+    descending ``values``) keeps: those whose ``mass_before`` (the mass ahead of them) is under top_p."""
     drop = mass_before >= top_p  # [T, C]
     drop[:, 0] = False  # the most likely token always stays (a tiny top_p rounds to 0 in float32)
-    return torch.zeros_like(probs).scatter_(-1, order, values.masked_fill(drop, 0.0))
+    return kept.scatter_(-1, order, values.masked_fill(drop, 0.0))
