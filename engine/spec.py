@@ -135,6 +135,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # u is a counter-based hash (splitmix64) computed on the device in int64 arithmetic, which wraps alike
 # on every device: no generator state to consume, no host-to-device copy.
 
+_MASK = 2**64 - 1  # a Python integer's low 64 bits, as an unsigned 64-bit register holds them
 _GOLDEN, _MIX1, _MIX2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
@@ -155,18 +156,16 @@ def keyed_uniforms(seed: int, start: int, count: int, device: torch.device) -> t
     On a CPU the host's integers compute them (a dozen tensor operations cost a step 50 us)."""
     if device.type != "cpu":
         return device_uniforms(seed, start, count, device)
-    mask = 2**64 - 1
-    key = _splitmix_int(seed & mask)
-    draws = [(_splitmix_int(key ^ (t & mask)) >> 11) * 2.0**-53 for t in range(start, start + count)]
+    key = _splitmix_int(seed & _MASK)
+    draws = [(_splitmix_int(key ^ (t & _MASK)) >> 11) * 2.0**-53 for t in range(start, start + count)]
     return torch.tensor(draws, dtype=torch.float64)  # [count]
 
 
 def _splitmix_int(x: int) -> int:
     """``_splitmix`` over unsigned 64-bit Python integers: the same bits."""
-    mask = 2**64 - 1
-    x = (x + _GOLDEN) & mask
-    x = ((x ^ (x >> 30)) * _MIX1) & mask
-    x = ((x ^ (x >> 27)) * _MIX2) & mask
+    x = (x + _GOLDEN) & _MASK
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK
     return x ^ (x >> 31)
 
 
