@@ -21,12 +21,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.host import host  # noqa: E402
-from bench.runners import Conversation, chat_ids  # noqa: E402
+from bench.runners import chat_ids  # noqa: E402
+from bench.studies.auto_overhead import bench_prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.drafters.auto_state import match_track  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
@@ -67,24 +66,22 @@ def main() -> None:
         accept(num_committed)
 
     suffix.offer, suffix.accept = offering, accepting
-    prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
+    prompts = [(kind, chat_ids(loaded.tokenizer, messages)) for kind, messages in bench_prompts() if kind in GROUPS]
     results: dict = {}
     for setting, sampling in SETTINGS.items():
         counts: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # group -> track -> [passed, drafted]
-        for kind, group in GROUPS.items():
-            for index, entry in enumerate(prompts[kind]):
-                prompt_ids = chat_ids(loaded.tokenizer, Conversation.of(entry).first_request())
-                for seed in (0, 1) if sampling["temperature"] else (0,):
-                    drafted.clear()
-                    params = SamplingParams(
-                        max_tokens=args.max_tokens, seed=seed, **{"repetition_penalty": 1.0, **sampling}
-                    )
-                    scope = f"{setting}/{kind}{index}/{seed}"
-                    list(engine.generate(Request(scope, prompt_ids, params, drafter="suffix", tenant=scope)))
-                    for length, passed in drafted:
-                        tally = counts[group][match_track("suffix", length)]
-                        tally[0] += passed
-                        tally[1] += 1
+        for index, (kind, prompt_ids) in enumerate(prompts):
+            for seed in (0, 1) if sampling["temperature"] else (0,):
+                drafted.clear()
+                params = SamplingParams(
+                    max_tokens=args.max_tokens, seed=seed, **{"repetition_penalty": 1.0, **sampling}
+                )
+                scope = f"{setting}/{kind}{index}/{seed}"
+                list(engine.generate(Request(scope, prompt_ids, params, drafter="suffix", tenant=scope)))
+                for length, passed in drafted:
+                    tally = counts[GROUPS[kind]][match_track("suffix", length)]
+                    tally[0] += passed
+                    tally[1] += 1
         results[setting] = {
             group: {track: f"{p}/{n}" for track, (p, n) in sorted(by.items())} for group, by in counts.items()
         }
