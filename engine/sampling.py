@@ -165,7 +165,9 @@ class RequestSampler:
         if self.params.min_p > 0.0:
             floor = probs.max(dim=-1, keepdim=True).values * self.params.min_p  # [T, 1]
             probs = probs.masked_fill(probs < floor, 0.0)
-        return probs / probs.sum(dim=-1, keepdim=True)
+        # each row's total summed alone: torch splits a [T, V] sum by the rows beside it (at 2 or more
+        # threads a verify row's total differed in its last bit from the same row's at a decode step)
+        return probs / torch.cat([probs[row : row + 1].sum(dim=-1, keepdim=True) for row in range(probs.shape[0])])
 
     def greedy_tokens(self, logits: torch.Tensor, appended: torch.Tensor | None = None) -> torch.Tensor:
         """At temperature 0: logits [T, V] -> [T] the token each row's distribution (``probs``'s

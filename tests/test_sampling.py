@@ -133,6 +133,30 @@ def test_penalties_at_the_ids_they_can_move_are_the_definition_over_every_id(pen
     assert torch.equal(alone, penalised_everywhere(logits[:1], seen_in_prompt, output, [], *penalties))
 
 
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.1, "presence_penalty": 0.3}],
+)
+def test_a_rows_probabilities_are_the_same_bits_alone_or_among_a_verifys_rows(params):
+    """A position's p is the same bits from a verify's rows or from a step's one row, at the thread
+    counts users run: a seeded draw keyed by position then lands alike whatever was drafted. (The
+    whole row's total, summed with the rows beside it, differed in its last bit at 2+ threads.)"""
+    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(2)) * 4  # [T, V]
+    logits[:, :30] += 14
+    drafts, prompt, threads = [11, 12, 11, 40], [5, 11, 300, 7], torch.get_num_threads()
+    try:
+        for count in (1, 2, 8, 16):
+            torch.set_num_threads(count)
+            verify = RequestSampler(SamplingParams(**params), 49152, torch.device("cpu"), prompt, seed=0)
+            rows = verify.probs(logits, torch.tensor(drafts))  # [5, V]
+            for position in range(5):
+                step = RequestSampler(SamplingParams(**params), 49152, torch.device("cpu"), prompt, seed=0)
+                step.commit(drafts[:position])
+                assert torch.equal(rows[position], step.probs(logits[position : position + 1])[0]), (count, position)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_repetition_penalty_covers_the_prompt_presence_penalty_does_not():
     logits = torch.zeros(1, 6)
     logits[0, 1] = 1.0
