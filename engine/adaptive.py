@@ -36,10 +36,14 @@ def observed_acceptance(num_accepted: int, num_drafted: int) -> float:
 class StepCosts:
     """What a step costs on this host: seconds per drafted token, and per verify pass by k.
 
-    Verify costs come either from steps alone, one running average per k, or from a line over k
-    timed at start-up (``expect``) that live steps then correct as a whole: its level by one shift
-    shared by all k (every step, whatever its k, updates it), its slope by the median of the last
-    ROW_READINGS slopes between consecutive steps of different k. Start-up times a verify after a
+    Verify costs come either from steps alone, one running average per k, or from start-up's
+    timings (``expect``): a plain step's (k = 0), which plain steps then replace by their running
+    average, and a line over k >= 1 that drafting steps correct as a whole: its level by one shift
+    shared by all k (every drafting step, whatever its k, updates it), its slope by the median of the
+    last ROW_READINGS slopes between consecutive drafting steps of different k. A plain step is priced
+    apart, as it runs: its one row takes the matrix-vector path, and the first drafted row cost the
+    int8 target 1.5-1.7 ms where each further one cost 0.8-1.2 (a step of 6.1 ms), so one line
+    through k = 0 priced a plain step 0.3-0.9 ms high and one draft as much too low. Start-up times a verify after a
     chat turn's context (``measure.VERIFY_CONTEXT``); over a longer one each row also attends to more
     cached tokens, so a row costs more (float32: 0.96 ms a row at a few tokens, 1.25 at 200, 2.0 at
     1,600), and with the start-up slope the steps that drafted pushed the shared shift, and with it the
@@ -57,6 +61,7 @@ class StepCosts:
     row_readings: deque = field(default_factory=lambda: deque(maxlen=ROW_READINGS))
     last: tuple[int, float] | None = None  # the last live step over a start-up line: (k, seconds)
     mean_k: float | None = None  # the k of the live steps the shift was learned from, on average
+    plain: float | None = None  # a plain step's live seconds (k = 0): priced apart from the line over k >= 1
 
     def expect(self, draft: float | None = None, verify: dict[int, float] | None = None) -> None:
         """Start-up timings, for what has no live measurement yet: the first request then need not
@@ -67,13 +72,15 @@ class StepCosts:
             self.verify, self.from_line = dict(verify), True
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
-        if self.from_line and k in self.verify:
+        if self.from_line and k == 0:
+            self.plain = _update(self.plain, verify_seconds)
+        elif self.from_line and k in self.verify:
             if self.last is not None and self.last[0] != k:
                 self.row_readings.append((verify_seconds - self.last[1]) / (k - self.last[0]))
                 if len(self.row_readings) >= MIN_ROW_READINGS:
                     row = max(statistics.median(self.row_readings), 0.0)
                     if self.shift is not None:  # the same price as before at the k the shift was learned at
-                        self.shift -= (row - self._slope()) * self.mean_k
+                        self.shift -= (row - self._slope()) * (self.mean_k - self._base)
                     self.row = row
             self.last = (k, verify_seconds)
             self.shift = _update(self.shift, verify_seconds - self._line(k))
@@ -90,11 +97,16 @@ class StepCosts:
         if self.row is not None:
             return self.row
         most = max(self.verify)
-        return (self.verify[most] - self.verify[0]) / most if most else 0.0
+        return (self.verify[most] - self.verify[self._base]) / (most - self._base) if most > self._base else 0.0
+
+    @property
+    def _base(self) -> int:
+        """The k the line over drafting steps starts at: 1, where it has one (a plain step is apart)."""
+        return 1 if len(self.verify) > 1 else 0
 
     def _line(self, k: int) -> float:
         """The start-up line at k, at the slope live steps show once they show one."""
-        return self.verify[k] if self.row is None else self.verify[0] + self.row * k
+        return self.verify[k] if self.row is None else self.verify[self._base] + self.row * (k - self._base)
 
     def knows(self, k: int) -> bool:
         return k in self.verify
@@ -104,6 +116,8 @@ class StepCosts:
         nearest = k if k in self.verify else min(self.verify, key=lambda measured: abs(measured - k))
         if not self.from_line:
             return max(self.verify[nearest], 1e-9)
+        if nearest == 0:
+            return self.verify[0] if self.plain is None else self.plain
         return max(self._line(nearest) + (self.shift or 0.0), 1e-9)
 
     def tokens_per_second(self, alpha: float, k: int) -> float:

@@ -7,16 +7,18 @@ seconds. The acceptance a_c is this request's own, pooled over the steps c ran (
 more), from a prior its scope's finished requests move (a draft model's: its agreement measured at
 start-up, or a head's recorded beside it, worth 8 tokens of evidence; a text match's 2, as it holds
 or breaks with the text). A text match's draft i passes, once those before it did, as a match i - 1
-tokens longer does; its drafts are scaled by realised over expected. Draft cost d_c and verify cost
-v(k) are timed at start-up, then live, shared by requests (v as a line over k, ``StepCosts``).
+tokens longer does. Draft cost d_c and verify cost
+v(k) are timed at start-up, then live, shared by requests (``StepCosts``: v(0), a plain step, apart;
+v over k >= 1 as a line).
 
 Text matching is asked first at every step, since its proposal costs next to nothing to make: the
 choice then knows how many tokens it offers and how long a match they continue, and its acceptance
 is tracked per match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a
 longer one mostly does; a request sampled hot or penalising repeats on tracks of its own: ``@2~``), so
 a long match wins the step and a weak one leaves it to plain decoding or the draft model. Its cost is
-its verify rows alone. An offer the step declines is scored by the token committed where its first
-draft stood, so its acceptance stays current without probes. A draft model's step must also beat the
+its verify rows alone. An offer the step declines is scored, once the text has passed it, by how many
+of its drafts the committed tokens match: what the offer would have yielded, so its acceptance stays
+current without probes, and learned from every offer, not only from those whose estimate was high. A draft model's step must also beat the
 pace text matching (or plain decoding) kept over the last few steps, each halving the weight of
 those before: where the text repeats, a plain step reaches the next match sooner than four drafts.
 
@@ -45,9 +47,7 @@ from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, r
 from ..model.model import upload
 from ..sampling import RequestSampler
 from .auto_state import (
-    EVIDENCE_DECAY,
     MODEL_PRIOR_TOKENS,
-    PRIOR_TOKENS,
     RequestState,
     StepChoice,
     continued,
@@ -89,8 +89,8 @@ class AutoDrafter(Drafter):
 
     def warm_up(self) -> None:
         """Price the candidates before the first request: the target's verify over k + 1 tokens for each k, after a
-        chat turn's context (best of three, on a robust line: readings scatter by 10-15%, and a high one would keep
-        its k from ever being tried), the draft model's step and catch-up, its agreement (unless measured)."""
+        chat turn's context (best of three; k >= 1 on a robust line: readings scatter by 10-15%, and a high one
+        would keep its k from ever being tried; k = 0 apart, as ``StepCosts`` prices it), the draft model's step and catch-up, its agreement (unless measured)."""
         if self.resources is None:
             return
         target, draft, config = self.resources.target, self.resources.draft, self.resources.config
@@ -105,7 +105,7 @@ class AutoDrafter(Drafter):
             if self.draft_agreement is None:
                 self.draft_agreement = agreement(draft, target)
             self.expect_agreement(self.draft_agreement)
-        self.expect_step_costs(dict(enumerate(robust_line(timed))), draft_step)
+        self.expect_step_costs({0: timed[0]} | dict(enumerate(robust_line(timed[1:]), start=1)), draft_step)
         for name, candidate in self.candidates.items():  # a model of its own (an EAGLE-3 head): its own price
             if (own := candidate.own_costs() if candidate.runs_model else None) is not None:
                 self.draft_costs[name] = StepCosts(draft=own.step_seconds, provisional_draft=True)
@@ -149,8 +149,8 @@ class AutoDrafter(Drafter):
             proposal = Proposal.empty(sampler.device)
         if choice.track is not None:
             request.last_tried[name] = request.last_tried[choice.track] = request.step
-        declined = [offer for each, offer in offers.items() if each != name]  # scored next step
-        request.declined = [(len(token_ids), drafts[0], track) for drafts, track in declined]
+        declined = [offer for each, offer in offers.items() if each != name]  # scored as the text passes them
+        request.declined += [(len(token_ids), tuple(drafts), track) for drafts, track in declined]
         choice.drafted = proposal.token_ids.shape[0]
         choice.proposed_at = time.perf_counter()
         choice.draft_seconds = choice.proposed_at - started
@@ -188,33 +188,37 @@ class AutoDrafter(Drafter):
                 self.catch_up[choice.name] = _update(self.catch_up.get(choice.name), reading)
         if choice.drafted == 0:  # nothing proposed: the step cost a plain decode, says nothing of acceptance
             return
-        self._observe(choice.track, num_committed - choice.sequence_length, choice.drafted, choice.num_draft_tokens)
+        self._observe(choice.track, num_committed - choice.sequence_length, choice.drafted)
 
-    def _observe(self, track: str, accepted: int, drafted: int, asked: int | None = None) -> None:
+    def _observe(self, track: str, accepted: int, drafted: int) -> None:
         """A step's drafts: ``accepted`` passed of ``drafted``, pooled into their tracks' acceptance
-        (``RequestState.pool``), a text match's draft i as the match i - 1 tokens longer's. A text
-        match's accepted drafts are also set against what was expected at the k asked: its cutoffs
-        stray from the estimate (a draft model's acceptance is its steps' pooled evidence)."""
-        request = self._request
+        (``RequestState.pool``), a text match's draft i as the match i - 1 tokens longer's."""
         if track in self.draft_costs:
-            request.pool([track] * drafted, accepted, MODEL_PRIOR_TOKENS)
-            return
-        yielded, expected = request.yields.get(track, (0.0, 0.0))
-        passing = self._drafts_passing(track, asked or drafted)
-        request.yields[track] = (EVIDENCE_DECAY * yielded + accepted, EVIDENCE_DECAY * expected + passing)
-        request.pool(continued(track, drafted), accepted)
+            self._request.pool([track] * drafted, accepted, MODEL_PRIOR_TOKENS)
+        else:
+            self._request.pool(continued(track, drafted), accepted)
 
     def _score_declined(self, token_ids: list[int]) -> None:
-        """Score the text offers the last step declined by the token it committed where their first
-        draft stood (a draft passes with the target's probability of it: greedy, when it is the token).
-        Free evidence of acceptance, so a track learned low elsewhere recovers where this text repeats;
-        not of the yield, which would count the pass twice (one lucky pass priced a weak match high)."""
-        request = self._request
-        for position, token, track in request.declined:
-            if position < len(token_ids):
-                request.pool((track,), int(token_ids[position] == token))
-                request.last_tried[track] = request.step
-        request.declined = []
+        """Score the text offers earlier steps declined, each once the committed tokens have passed
+        it, by how many of its drafts they match: how many would have passed. (A deterministic draft
+        passes with the target's probability of it, which is the chance the step commits it, and the
+        next, once it did, with the next token's: greedy, exactly when they are the tokens.) Evidence
+        as good as a drafted step's, for free, so a track learned low elsewhere recovers where this
+        text repeats; and learned from every offer, where drafted steps alone, taken when the estimate
+        ran high, fell short of it (regression to the mean) and priced weak matches low."""
+        request, pending = self._request, []
+        for position, drafts, track in request.declined:
+            seen = token_ids[position : position + len(drafts)]
+            matched = next(
+                (index for index, (draft, token) in enumerate(zip(drafts, seen, strict=False)) if draft != token),
+                len(seen),
+            )
+            if matched == len(seen) < len(drafts):  # the text has not passed it yet
+                pending.append((position, drafts, track))
+                continue
+            request.pool(continued(track, len(drafts)), matched)
+            request.last_tried[track] = request.step
+        request.declined = pending
 
     def _alpha(self, track: str) -> float:
         return self._request.alpha.get(track, self._request.priors.get(track, ALPHA_PRIOR))
@@ -233,12 +237,8 @@ class AutoDrafter(Drafter):
 
     def _tokens(self, track: str, k: int) -> float:
         """Tokens a step drafting k is expected to yield: the target's own token, which every step
-        yields, and the drafts expected to pass, for a text match scaled by what its steps' drafts
-        realised against that (from 1), at most all k. (Scaling the whole yield priced a weak text
-        match below a plain step; scaling a draft model's counted its evidence twice.)"""
-        yielded, expected = self._request.yields.get(track, (0.0, 0.0))  # none kept for a draft model: 1
-        bias = (yielded + PRIOR_TOKENS) / (expected + PRIOR_TOKENS)
-        return 1.0 + min(bias * self._drafts_passing(track, k), float(k))
+        yields, and the drafts expected to pass."""
+        return 1.0 + self._drafts_passing(track, k)
 
     def _text_step(self, offers: dict[str, tuple[list[int], str]]) -> tuple[tuple[str | None, int], float, float]:
         """The best of the text matchers' offers (whole, or their first k tokens: where a verify row
