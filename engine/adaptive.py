@@ -43,8 +43,8 @@ class StepCosts:
     last ROW_READINGS slopes between consecutive drafting steps of different k. A plain step is priced
     apart, as it runs: its one row takes the matrix-vector path, and the first drafted row cost the
     int8 target 1.5-1.7 ms where each further one cost 0.8-1.2 (a step of 6.1 ms), so one line
-    through k = 0 priced a plain step 0.3-0.9 ms high and one draft as much too low. Start-up times a verify after a
-    chat turn's context (``measure.VERIFY_CONTEXT``); over a longer one each row also attends to more
+    through k = 0 priced a plain step 0.3-0.9 ms high and one draft as much too low. Start-up times
+    a verify after a chat turn's context (``measure.VERIFY_CONTEXT``); over a longer one each row also attends to more
     cached tokens, so a row costs more (float32: 0.96 ms a row at a few tokens, 1.25 at 200, 2.0 at
     1,600), and with the start-up slope the steps that drafted pushed the shared shift, and with it the
     price of a plain step, up by what their rows cost more: drafting looked cheaper than it was. Consecutive

@@ -7,9 +7,8 @@ seconds. The acceptance a_c is this request's own, pooled over the steps c ran (
 more), from a prior its scope's finished requests move (a draft model's: its agreement measured at
 start-up, or a head's recorded beside it, worth 8 tokens of evidence; a text match's 2, as it holds
 or breaks with the text). A text match's draft i passes, once those before it did, as a match i - 1
-tokens longer does. Draft cost d_c and verify cost
-v(k) are timed at start-up, then live, shared by requests (``StepCosts``: v(0), a plain step, apart;
-v over k >= 1 as a line).
+tokens longer does. Draft cost d_c and verify cost v(k) are timed at start-up, then live, shared by
+requests (``StepCosts``: v(0), a plain step, apart; v over k >= 1 as a line).
 
 Text matching is asked first at every step, since its proposal costs next to nothing to make: the
 choice then knows how many tokens it offers and how long a match they continue, and its acceptance
@@ -18,9 +17,10 @@ longer one mostly does; a request sampled hot or penalising repeats on tracks of
 a long match wins the step and a weak one leaves it to plain decoding or the draft model. Its cost is
 its verify rows alone. An offer the step declines is scored, once the text has passed it, by how many
 of its drafts the committed tokens match: what the offer would have yielded, so its acceptance stays
-current without probes, and learned from every offer, not only from those whose estimate was high. A draft model's step must also beat the
-pace text matching (or plain decoding) kept over the last few steps, each halving the weight of
-those before: where the text repeats, a plain step reaches the next match sooner than four drafts.
+current without probes, and is learned from every offer, not only from those whose estimate was
+high. A draft model's step must also beat the pace text matching (or plain decoding) kept over the
+last few steps, each halving the weight of those before: where the text repeats, a plain step
+reaches the next match sooner than four drafts.
 
 A draft model that has not run lately must first read what it missed (at a request's start, the
 whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
@@ -90,7 +90,8 @@ class AutoDrafter(Drafter):
     def warm_up(self) -> None:
         """Price the candidates before the first request: the target's verify over k + 1 tokens for each k, after a
         chat turn's context (best of three; k >= 1 on a robust line: readings scatter by 10-15%, and a high one
-        would keep its k from ever being tried; k = 0 apart, as ``StepCosts`` prices it), the draft model's step and catch-up, its agreement (unless measured)."""
+        would keep its k from ever being tried; k = 0 apart, as ``StepCosts`` prices it), the draft model's
+        step and catch-up, its agreement (unless measured)."""
         if self.resources is None:
             return
         target, draft, config = self.resources.target, self.resources.draft, self.resources.config
@@ -209,10 +210,7 @@ class AutoDrafter(Drafter):
         request, pending = self._request, []
         for position, drafts, track in request.declined:
             seen = token_ids[position : position + len(drafts)]
-            matched = next(
-                (index for index, (draft, token) in enumerate(zip(drafts, seen, strict=False)) if draft != token),
-                len(seen),
-            )
+            matched = next((i for i, token in enumerate(seen) if token != drafts[i]), len(seen))
             if matched == len(seen) < len(drafts):  # the text has not passed it yet
                 pending.append((position, drafts, track))
                 continue
