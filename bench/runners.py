@@ -40,6 +40,7 @@ class Run:
     steps_by_drafter: dict[str, int] = field(default_factory=dict)  # auto's choices: who drafted each step
     cached_tokens: int = 0
     peak_rss_mb: float | None = None
+    position: tuple[int, int] = (0, 0)  # (prompt, turn) of its type it ran: its repeats are pooled (report.pooled_rate)
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """specserve against Hugging Face transformers on the same model, machine and prompts.
 
-    make bench          # every configuration, every prompt of bench/prompts.yaml, 1 repeat (~40 min)
+    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats (~20 min)
     make bench-quick    # one prompt per type, one repeat, 64 tokens
 
 Configurations, run in interleaved order so machine noise hits all alike:
@@ -291,6 +291,7 @@ def measure(
                         prompt_ids = chat_ids(tokenizer, messages)
                         user = f"{config.label}#{repeat}"  # one tenant per configuration and repeat
                         run = run_one(config, runners, prompt_ids, args.max_tokens, user, sampling)
+                        run.position = (index, turn)
                         if run.text is None:
                             run.text = tokenizer.decode(run.token_ids, skip_special_tokens=True)
                         histories[config.label] = messages + [{"role": "assistant", "content": run.text}]

@@ -162,6 +162,20 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     assert "geometric mean over the greedy types: 1.41x" in short and "(bench/results/x.md)" in short
 
 
+def test_a_types_rate_sums_each_prompts_median_over_its_repeats():
+    """Two prompts, three repeats: a fast one (10 tokens after the first in 0.1 s) and a slow one (in
+    1.0 s), one repeat of each disturbed. The type's rate is 20 tokens over 1.1 s, what the median of
+    the six runs' own rates (between the slow prompt's best and the fast one's worst) is not."""
+    runs = []
+    for repeat in range(3):
+        for index, seconds in enumerate((0.1, 1.0)):
+            run = _run(11, seconds * (1.5 if repeat == index else 1.0), "same", forwards=10)
+            run.position = (index, 0)
+            runs.append(run)
+    report = summarise([], {"code": {"serve:none": runs}}, bound_s=0.01)
+    assert report["results"]["code"]["serve:none"]["decode_tokens_per_s"] == round(20 / 1.1, 2)
+
+
 def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
     runs = {
         kind: {
