@@ -58,6 +58,9 @@ def read_seconds(model: CausalLM, num_tokens: int, repeats: int, num_logits: int
 
 
 VERIFY_CONTEXT = 256  # cached tokens start-up times a verify after, as in a chat turn (each row reads them)
+# read in chunks this long: a GGUF target multiplies up to 32 rows by its blocks' kernels, more by decoded
+# float32 tiles, whose temporaries raised a target-only server's peak RSS by 20-50 MB past issue 51's 500 MB
+CONTEXT_CHUNK = 32
 
 
 def verify_seconds(target: CausalLM, max_draft_tokens: int, rounds: int = 3) -> list[float]:
@@ -68,7 +71,8 @@ def verify_seconds(target: CausalLM, max_draft_tokens: int, rounds: int = 3) -> 
     drafted at that price. The cache is left empty."""
     context = max(min(VERIFY_CONTEXT, target.max_len - max_draft_tokens - 1), 0)
     target.cache.rollback(0)
-    target.extend([0] * context, num_logits=0)
+    for start in range(0, context, CONTEXT_CHUNK):  # a chunk's rows by the blocks' own kernels: no decoded tiles
+        target.extend([0] * min(CONTEXT_CHUNK, context - start), num_logits=0)
     best = [float("inf")] * (max_draft_tokens + 1)
     for _ in range(rounds):
         for k in range(max_draft_tokens + 1):

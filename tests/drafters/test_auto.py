@@ -10,7 +10,7 @@ import torch
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
 from engine.drafters.auto_state import DAMPED_MATCH_PRIORS, MATCH_PRIORS, match_track
 from engine.factory import warm_up
-from engine.measure import VERIFY_CONTEXT, robust_line, verify_seconds
+from engine.measure import CONTEXT_CHUNK, VERIFY_CONTEXT, robust_line, verify_seconds
 from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
@@ -233,6 +233,13 @@ def test_a_declined_text_offer_is_scored_by_how_many_of_its_drafts_the_committed
     assert auto._alpha("suffix@1") < held
 
 
+class FixedCosts(StepCosts):
+    """Step costs as set, whatever the steps take."""
+
+    def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
+        pass
+
+
 def test_text_matching_learned_useless_in_a_scope_recovers_where_the_text_repeats():
     """A scope whose requests found no text match holding starts the next with every match track
     near 0: declined offers, scored by the text that follows, bring the track back and suffix
@@ -244,7 +251,7 @@ def test_text_matching_learned_useless_in_a_scope_recovers_where_the_text_repeat
     auto = engine.drafter("auto")
     auto.scope_priors = ScopePriors(dict.fromkeys(auto.priors, 0.02), 0.3)  # as a scope's requests left them
     step = auto.verify.verify_cost(0)  # a verify row costing a third of a step, as on CPU: a track at 0.02 never pays
-    auto.verify = StepCosts()
+    auto.verify = FixedCosts()  # not moved by this tiny model's own timings (a plain step is priced apart)
     auto.verify.expect(verify={k: step * (1 + k / 3) for k in range(5)})
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompt = [5, 9, 11, 5, 9, 11, 5, 9, 11, 5, 9, 11]
@@ -376,7 +383,7 @@ def test_one_disturbed_start_up_timing_cannot_tip_the_verify_line(timed):
 def test_start_up_times_every_k_after_a_chat_turns_context():
     """Each verify row attends to every cached token: timed from an empty cache a row cost half what
     it does in a chat turn, and the first request drafted at that price. The context is read once,
-    every k timed after it in rounds, and the cache left empty."""
+    in chunks, every k timed after it in rounds, and the cache left empty."""
     target = auto_engine().target
     calls, extend = [], target.extend
     target.extend = lambda token_ids, num_logits=1: (
@@ -385,8 +392,11 @@ def test_start_up_times_every_k_after_a_chat_turns_context():
     line = verify_seconds(target, 3, rounds=2)
     context = min(VERIFY_CONTEXT, target.max_len - 4)
     assert context > 100 and len(line) == 4 and all(seconds > 0 for seconds in line) and target.cache.length == 0
-    assert calls[0] == (0, context, 0)  # the context, read once
-    assert calls[1:] == [(context, k + 1, k + 1) for k in range(4)] * 2  # every k over it, all rows scored
+    chunks = -(-context // CONTEXT_CHUNK)  # read once, a chunk at a time (the blocks' own kernels: no tiles)
+    assert calls[:chunks] == [
+        (start, min(CONTEXT_CHUNK, context - start), 0) for start in range(0, context, CONTEXT_CHUNK)
+    ]
+    assert calls[chunks:] == [(context, k + 1, k + 1) for k in range(4)] * 2  # every k over it, all rows scored
 
 
 def test_live_verify_timings_move_the_start_up_line_as_a_whole():
