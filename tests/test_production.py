@@ -182,12 +182,13 @@ FINISHED_BY_LENGTH = 'specserve_requests_total{endpoint="completions",finish_rea
 
 
 def test_a_non_streaming_client_that_gives_up_is_aborted(guarded):
-    """The client leaves while its request generates. The tiny model writes all 240 tokens in about
-    0.2 s, so on a loaded host the request can finish before the client's leaving lands: such an
-    attempt proves nothing and is made again (up to three attempts). The target alone writes them,
-    a step a token, so that drafting cannot make them faster: under the server's ngram drafter all
-    three attempts finished first in one CI run."""
-    body = {"prompt": "give up", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    """The client leaves while its request generates. The tiny model writes its tokens in a few tenths
+    of a second, so on a loaded host the request could finish before the client's leaving landed (all
+    three attempts did in two CI runs, once under the server's ngram drafter, once with the target
+    alone): its sixth forward now stalls (the fault hook's ``stall``), and the client leaves while
+    it does. An attempt that still finished first proves nothing and is made again (up to three)."""
+    prompt = f"give up {fault_marker('stall', 5)}"
+    body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
     body = json.dumps({**body, "speculative": {"drafter": "none"}}).encode()
     host, port = guarded.url.removeprefix("http://").split(":")
     head = (
