@@ -36,21 +36,21 @@ def observed_acceptance(num_accepted: int, num_drafted: int) -> float:
 class StepCosts:
     """What a step costs on this host: seconds per drafted token, and per verify pass by k.
 
-    Verify costs come either from steps alone, one running average per k, or from start-up's
-    timings (``expect``): a plain step's (k = 0), which plain steps then replace by their running
-    average, and a line over k >= 1 that drafting steps correct as a whole: its level by one shift
-    shared by all k (every drafting step, whatever its k, updates it), its slope by the median of the
-    last ROW_READINGS slopes between consecutive drafting steps of different k. A plain step is priced
-    apart, as it runs: its one row takes the matrix-vector path, and the first drafted row cost the
-    int8 target 1.5-1.7 ms where each further one cost 0.8-1.2 (a step of 6.1 ms), so one line
-    through k = 0 priced a plain step 0.3-0.9 ms high and one draft as much too low. Start-up times
-    a verify after a chat turn's context (``measure.VERIFY_CONTEXT``); over a longer one each row also attends to more
-    cached tokens, so a row costs more (float32: 0.96 ms a row at a few tokens, 1.25 at 200, 2.0 at
-    1,600), and with the start-up slope the steps that drafted pushed the shared shift, and with it the
-    price of a plain step, up by what their rows cost more: drafting looked cheaper than it was. Consecutive
-    steps read nearly the same context, and a median is not moved by one slow reading (a busy
-    host), as a least-squares slope would be. A k the policy seldom picks is priced from what the
-    others measure, and one slow reading cannot keep its k from being tried again."""
+    Verify costs come either from steps alone, one running average per k, or from start-up's timings
+    (``expect``): a plain step's (k = 0), which plain steps then replace by their running average, and a
+    line over k >= 1 that drafting steps correct as a whole: its level by one shift shared by all k
+    (every drafting step, whatever its k, updates it), its slope by the median of the last ROW_READINGS
+    slopes between consecutive drafting steps of different k. A plain step is priced apart, as it runs:
+    the first drafted row cost the int8 target 1.5-1.7 ms where each further one cost 0.8-1.2 (a step of
+    6.1 ms), so one line through k = 0 priced a plain step 0.3-0.9 ms high and one draft as much too
+    low. Start-up times a verify after a chat turn's context (``measure.VERIFY_CONTEXT``); over a longer
+    one each row also attends to more cached tokens, so a row costs more (float32: 0.96 ms a row at a
+    few tokens, 1.25 at 200, 2.0 at 1,600), and with the start-up slope the steps that drafted pushed
+    the shared shift, and with it the price of a plain step, up by what their rows cost more: drafting
+    looked cheaper than it was. Consecutive steps read nearly the same context, and a median is not
+    moved by one slow reading (a busy host), as a least-squares slope would be. A k the policy seldom
+    picks is priced from what the others measure, and one slow reading cannot keep its k from being
+    tried again."""
 
     draft: float | None = None
     verify: dict[int, float] = field(default_factory=dict)  # by k: running averages, or the start-up line
