@@ -275,6 +275,8 @@ def robust_line(values: list[float]) -> list[float]:
     least-squares line through five start-up timings, one caught by a busy host, could price plain
     decoding below zero."""
     n = len(values)
+    if n == 0:
+        return []  # nothing timed (no drafts: only a plain step's reading, priced apart)
     pairs = [(values[j] - values[i]) / (j - i) for i in range(n) for j in range(i + 1, n)]
     slope = max(statistics.median(pairs), 0.0) if pairs else 0.0
     intercept = statistics.median(y - slope * x for x, y in enumerate(values))

@@ -399,6 +399,15 @@ def test_start_up_times_every_k_after_a_chat_turns_context():
     assert calls[chunks:] == [(context, k + 1, k + 1) for k in range(4)] * 2  # every k over it, all rows scored
 
 
+def test_a_server_that_drafts_nothing_times_a_plain_step_alone():
+    """With k = 0 start-up times one plain step and no line over drafting steps: the line's fit of no
+    readings raised at start-up once the plain step was priced apart."""
+    engine = tiny_engine(tiny_llama(seed=1, vocab_size=96), None, num_draft_tokens=0, drafter="auto")
+    warm_up(engine)
+    costs = engine.drafter("auto").verify
+    assert list(costs.verify) == [0] and costs.verify_cost(0) == costs.verify[0] > 0
+
+
 def test_live_verify_timings_move_the_start_up_line_as_a_whole():
     """A drafting step at one k shifts every drafting k's cost: a k seldom chosen is priced from what
     the others measure, and one slow reading at a k cannot keep that k from being tried again."""
