@@ -71,14 +71,6 @@ def pooled_rate(runs: list, tokens: Callable, seconds: Callable) -> float:
     return total_tokens / total_seconds if total_seconds > 0 else 0.0
 
 
-def _decode_s(run) -> float:  # the time after the first arrival; its tokens are num_tokens - first_arrival
-    return run.decode_seconds if run.num_tokens > run.first_arrival else 0.0
-
-
-def _request_s(run) -> float:
-    return run.token_times[-1] - run.started if run.token_times else 0.0
-
-
 def _metrics(runs: list, reference: list | None, bound_s: float) -> dict:
     gaps = [gap for run in runs for gap in run.inter_token_s]
     fractions = [
@@ -90,10 +82,17 @@ def _metrics(runs: list, reference: list | None, bound_s: float) -> dict:
     return {
         "runs": len(runs),
         "tokens": statistics.median(run.num_tokens for run in runs),
-        "decode_tokens_per_s": round(pooled_rate(runs, lambda run: run.num_tokens - run.first_arrival, _decode_s), 2),
+        "decode_tokens_per_s": round(
+            pooled_rate(
+                runs, lambda run: run.decoded_tokens, lambda run: run.decode_seconds if run.decoded_tokens else 0.0
+            ),
+            2,
+        ),
         "ttft_ms": round(statistics.median(run.ttft_s for run in runs) * 1e3, 1),
         "first_arrival_tokens": statistics.median(run.first_arrival for run in runs),
-        "request_tokens_per_s": round(pooled_rate(runs, lambda run: run.num_tokens, _request_s), 2),
+        "request_tokens_per_s": round(
+            pooled_rate(runs, lambda run: run.num_tokens, lambda run: run.request_seconds), 2
+        ),
         "itl_p50_ms": round(_percentile(gaps, 0.5) * 1e3, 2) if gaps else None,
         "itl_p99_ms": round(_percentile(gaps, 0.99) * 1e3, 2) if gaps else None,
         "acceptance_rate": _mean([run.acceptance_rate for run in runs]),

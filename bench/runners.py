@@ -55,10 +55,14 @@ class Run:
         return self.token_times[-1] - self.token_times[0]
 
     @property
+    def request_seconds(self) -> float:
+        """The whole request's time, prefill included, to its last token."""
+        return self.token_times[-1] - self.started if self.token_times else 0.0
+
+    @property
     def request_tokens_per_s(self) -> float:
         """Tokens over the whole request, prefill included (prefix reuse counts here)."""
-        seconds = self.token_times[-1] - self.started if self.token_times else 0.0
-        return self.num_tokens / seconds if seconds > 0 else 0.0
+        return self.num_tokens / self.request_seconds if self.request_seconds > 0 else 0.0
 
     @property
     def first_arrival(self) -> int:
@@ -67,12 +71,17 @@ class Run:
         return sum(1 for t in self.token_times if t - self.token_times[0] <= SAME_ARRIVAL_S)
 
     @property
+    def decoded_tokens(self) -> int:
+        """The tokens after the first arrival (decode_seconds made them)."""
+        return self.num_tokens - self.first_arrival
+
+    @property
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first arrival over the time since it: decoding speed, prefill excluded.
         Counting the first arrival's extra tokens as decoded in no time would credit a system with
         tokens it made before its first one arrived (an earlier run read hf:assisted at 3.9x
         target-only on agentic that way, with a TTFT of 8.6 s)."""
-        later = self.num_tokens - self.first_arrival
+        later = self.decoded_tokens
         return later / self.decode_seconds if later > 0 and self.decode_seconds > 0 else 0.0
 
     @property
