@@ -195,6 +195,7 @@ def warm_up(engine: SpecEngine) -> WarmUp:
     plan_cache = PlanCache.configured(config.matmul_plan, config.plan_cache)
     variants = 0
     matmuls, attention = [], []
+    release_freed_memory()  # what building the drafters let go, before the warm-up's own temporaries
     for model in engine.models:
         role = "target" if model is engine.target else "draft"
         layer_sets = [model.all_layers]
@@ -221,6 +222,7 @@ def warm_up(engine: SpecEngine) -> WarmUp:
                 attention.append(f"{role} {split}")
         model.cache.rollback(0)
     for drafter in engine.drafters.built.values():
+        release_freed_memory()  # each stage's temporaries freed before the next one's stack on them
         drafter.warm_up()
     graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
     seconds = time.perf_counter() - started

@@ -52,6 +52,7 @@ INT8_FORMATS = (INT8_Q4, INT8_Q8)
 INT8_ROWS = 16  # output rows per repacked group
 DIRECT_ROWS = 16  # rows always multiplied by the kernel itself (decode, verify)
 TILE_BYTES = 4 * 2**20  # float32 bytes of one decoded tile
+Q8_CHUNK = 2**18  # weights quantized to Q8_0 at a time (q8_blocks): the gguf package's temporaries, a few MB
 
 
 class BlocksUnavailable(RuntimeError):
@@ -217,8 +218,13 @@ def q8_blocks(weight: torch.Tensor, bias: torch.Tensor | None, isa: int) -> Bloc
     proposals carry the q they were drawn from, whatever the weights)."""
     import gguf
 
-    data = gguf.quants.quantize(weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)  # [O, row bytes]
-    return BlockWeight((BlockPart(torch.from_numpy(data), FORMATS["Q8_0"]),), weight.shape[1], bias, isa)
+    rows = max(1, Q8_CHUNK // weight.shape[1])  # per row and block: the package's float temporaries, a chunk's
+    chunks = [
+        gguf.quants.quantize(part.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)  # [rows, row bytes]
+        for part in weight.split(rows)
+    ]
+    data = torch.from_numpy(chunks[0] if len(chunks) == 1 else np.concatenate(chunks))  # [O, row bytes]
+    return BlockWeight((BlockPart(data, FORMATS["Q8_0"]),), weight.shape[1], bias, isa)
 
 
 def decode(part: BlockPart, in_features: int, isa: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import DIRECT_ROWS, BlockWeight
+from .memory import return_free_pages
 
 Key = tuple[int, int, torch.dtype]  # (out features, in features, dtype) of a weight
 LONG = 0  # the row-count slot of inputs longer than max_rows
@@ -332,7 +333,10 @@ def measure_direct_rows(weight: BlockWeight, repeats: int = 2) -> int:
     with torch.inference_mode():
         for count in CROSSING_ROWS:
             rows = torch.randn(count, weight.in_features)  # [N, I]
-            if not _kernel_wins(weight, rows, repeats) and not _kernel_wins(weight, rows, repeats):
+            wins = _kernel_wins(weight, rows, repeats) or _kernel_wins(weight, rows, repeats)
+            del rows
+            return_free_pages()  # this count's outputs and tiles, before the next count's larger ones
+            if not wins:
                 return found
             found = count
     return UNBOUNDED

@@ -13,6 +13,7 @@ The embedding is the target's. A head that does not fit the target is refused in
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,8 +42,17 @@ class Eagle3Head(nn.Module):
 
     sequence_fields = ("cache",)  # one sequence's state (engine/model/slots.py)
 
-    def __init__(self, config: dict, target: CausalLM, aux_layers: tuple[int, ...], norm_before_residual: bool):
+    def __init__(
+        self,
+        config: dict,
+        target: CausalLM,
+        aux_layers: tuple[int, ...],
+        norm_before_residual: bool,
+        empty: bool = False,
+    ):
+        """``empty``: its products' weights on the meta device, for a checkpoint's to be assigned."""
         super().__init__()
+        linear = partial(nn.Linear, device="meta" if empty else None)
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads") or heads
         self.head_dim = config.get("head_dim") or hidden // heads
@@ -51,23 +61,23 @@ class Eagle3Head(nn.Module):
         self.aux_layers = aux_layers
         self.norm_before_residual = norm_before_residual
         target_hidden = config.get("target_hidden_size") or target.config.hidden_size
-        self.fc = nn.Linear(len(aux_layers) * target_hidden, hidden, bias=False)
+        self.fc = linear(len(aux_layers) * target_hidden, hidden, bias=False)
         layer = self.midlayer = nn.Module()
         for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             setattr(layer, name, RMSNorm(hidden, eps))
         attn = layer.self_attn = nn.Module()
         bias = bool(config.get("attention_bias", False))
-        attn.q_proj = nn.Linear(2 * hidden, heads * self.head_dim, bias=bias)
-        attn.k_proj = nn.Linear(2 * hidden, kv_heads * self.head_dim, bias=bias)
-        attn.v_proj = nn.Linear(2 * hidden, kv_heads * self.head_dim, bias=bias)
-        attn.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        attn.q_proj = linear(2 * hidden, heads * self.head_dim, bias=bias)
+        attn.k_proj = linear(2 * hidden, kv_heads * self.head_dim, bias=bias)
+        attn.v_proj = linear(2 * hidden, kv_heads * self.head_dim, bias=bias)
+        attn.o_proj = linear(heads * self.head_dim, hidden, bias=bias)
         mlp = layer.mlp = nn.Module()
-        mlp.gate_proj = nn.Linear(hidden, config["intermediate_size"], bias=False)
-        mlp.up_proj = nn.Linear(hidden, config["intermediate_size"], bias=False)
-        mlp.down_proj = nn.Linear(config["intermediate_size"], hidden, bias=False)
+        mlp.gate_proj = linear(hidden, config["intermediate_size"], bias=False)
+        mlp.up_proj = linear(hidden, config["intermediate_size"], bias=False)
+        mlp.down_proj = linear(config["intermediate_size"], hidden, bias=False)
         self.norm = RMSNorm(hidden, eps)
         draft_vocab = config.get("draft_vocab_size") or config["vocab_size"]
-        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.lm_head = linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))  # target id = i + d2t[i]
         self.target = target
         self.name = "(unnamed)"  # the folder it was loaded from
@@ -97,16 +107,19 @@ class Eagle3Head(nn.Module):
         step reads, which is what a CPU step costs (the drafts stay exact: each carries the q it was
         drawn from); their float weights are let go."""
         self.requires_grad_(False).eval()
-        self.to(device=self.target.device, dtype=self.target.dtype)
-        self.draft_to_target = draft_target_ids(self.d2t)  # [Vd]
+        device, dtype = self.target.device, self.target.dtype
         linears = [module for modules in self.stacked.values() for module in modules]
         if blocks and self.target.kernels.native and all(m.in_features % 32 == 0 for m in linears):
-            isa = kernel_isa()
+            isa = kernel_isa()  # quantized from the checkpoint's own weights, a product at a time
             for name, modules in self.stacked.items():
-                bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+                bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules]).to(device, dtype)
                 self.blocks[name] = q8_blocks(torch.cat([m.weight for m in modules]), bias, isa)
                 for module in modules:  # the blocks are its weights now
                     module.weight = nn.Parameter(torch.empty(module.weight.shape, device="meta"), requires_grad=False)
+        # copies all: an assigned tensor may share the checkpoint's map, which would keep the whole file resident
+        self._apply(lambda t: t if t.is_meta else t.to(device, dtype if t.is_floating_point() else t.dtype, copy=True))
+        self.draft_to_target = draft_target_ids(self.d2t)  # [Vd]
+        if self.blocks:
             release_freed_memory()  # the float weights, before the timing's temporaries
             self.blocks = with_direct_rows(self.blocks, {})  # a catch-up over many tokens: kernel or tiles
         return self
@@ -245,15 +258,20 @@ def load_head(ref: str, target: CausalLM, blocks: bool = True) -> Eagle3Head:
             f"draft_head: the head was made for a vocabulary of {config['vocab_size']} tokens; the target has "
             f"{target.vocab_size}"
         )
-    head = Eagle3Head(config, target, tuple(sorted(ids)), norm_before_residual)
+    head = Eagle3Head(config, target, tuple(sorted(ids)), norm_before_residual, empty=True)
     weights = read_weights(folder)
-    expected = head.fc.weight.shape
-    if "fc.weight" in weights and weights["fc.weight"].shape != expected:
-        raise ConfigError(
-            f"draft_head: fc reads {weights['fc.weight'].shape[1]} features; {len(ids)} layers of the target's "
-            f"hidden size {target.config.hidden_size} give {expected[1]}"
-        )
-    missing, _ = head.load_state_dict(weights, strict=False)
+    for name, tensor in head.state_dict().items():  # assigned below: each must have its parameter's shape
+        if name in weights and weights[name].shape != tensor.shape:
+            if name == "fc.weight":
+                raise ConfigError(
+                    f"draft_head: fc reads {weights[name].shape[1]} features; {len(ids)} layers of the target's "
+                    f"hidden size {target.config.hidden_size} give {tensor.shape[1]}"
+                )
+            raise ConfigError(
+                f"draft_head: {name} is {list(weights[name].shape)}; the config makes it {list(tensor.shape)}"
+            )
+    missing, _ = head.load_state_dict(weights, strict=False, assign=True)  # no float copy made first
+    del weights  # the head's own now: what finish converts is let go as it goes
     if missing:
         raise ConfigError(f"draft_head: {folder} lacks {', '.join(missing[:4])}")
     if int(draft_target_ids(head.d2t).max()) >= target.vocab_size:
