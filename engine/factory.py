@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from .config import COPY_AUTO, COPY_INT8, COPY_PREFIX, EngineConfig, available_memory
 from .cpu.blocks import FileTensors, offer_blocks
 from .cpu.int8_blocks import auto_activations, held_activations, int8_activations
-from .cpu.memory import release_freed_memory
+from .cpu.memory import release_freed_memory, return_free_pages
 from .cpu.plan_cache import PlanCache
 from .cpu.threads import set_threads, usable_cpus
 from .drafters import check_stages
@@ -222,7 +222,7 @@ def warm_up(engine: SpecEngine) -> WarmUp:
                 attention.append(f"{role} {split}")
         model.cache.rollback(0)
     for drafter in engine.drafters.built.values():
-        release_freed_memory()  # each stage's temporaries freed before the next one's stack on them
+        return_free_pages()  # each stage's temporaries freed before the next one's stack on them
         drafter.warm_up()
     graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
     seconds = time.perf_counter() - started
