@@ -52,7 +52,6 @@ INT8_FORMATS = (INT8_Q4, INT8_Q8)
 INT8_ROWS = 16  # output rows per repacked group
 DIRECT_ROWS = 16  # rows always multiplied by the kernel itself (decode, verify)
 TILE_BYTES = 4 * 2**20  # float32 bytes of one decoded tile
-Q8_CHUNK = 2**18  # weights quantized to Q8_0 at a time (q8_blocks): the gguf package's temporaries, a few MB
 
 
 class BlocksUnavailable(RuntimeError):
@@ -212,18 +211,14 @@ def layer_blocks(prepared: dict, products: list | None) -> tuple | None:
     )
 
 
-def q8_blocks(weight: torch.Tensor, bias: torch.Tensor | None, isa: int) -> BlockWeight:
-    """``weight`` [O, I] (I a multiple of 32) quantized to Q8_0 blocks by the gguf package: about a
-    quarter of its float32 bytes. Not exact, so only for weights a draft multiplies by (its
-    proposals carry the q they were drawn from, whatever the weights)."""
+def q8_blocks(weight: torch.Tensor, bias: torch.Tensor | None, isa: int, chunk: int = 2**18) -> BlockWeight:
+    """``weight`` [O, I] (I a multiple of 32) as Q8_0 blocks (a quarter of its bytes), quantized by the gguf package
+    ``chunk`` weights at a time (its temporaries: a few MB). Only for a draft's weights: not exact."""
     import gguf
 
-    rows = max(1, Q8_CHUNK // weight.shape[1])  # per row and block: the package's float temporaries, a chunk's
-    chunks = [
-        gguf.quants.quantize(part.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)  # [rows, row bytes]
-        for part in weight.split(rows)
-    ]
-    data = torch.from_numpy(chunks[0] if len(chunks) == 1 else np.concatenate(chunks))  # [O, row bytes]
+    q8, rows = gguf.GGMLQuantizationType.Q8_0, max(1, chunk // weight.shape[1])
+    parts = [gguf.quants.quantize(part.detach().float().cpu().numpy(), q8) for part in weight.split(rows)]
+    data = torch.from_numpy(np.concatenate(parts))  # [O, row bytes]
     return BlockWeight((BlockPart(data, FORMATS["Q8_0"]),), weight.shape[1], bias, isa)
 
 

@@ -150,8 +150,9 @@ class AutoDrafter(Drafter):
             proposal = Proposal.empty(sampler.device)
         if choice.track is not None:
             request.last_tried[name] = request.last_tried[choice.track] = request.step
-        declined = [offer for each, offer in offers.items() if each != name]  # scored as the text passes them
-        request.declined += [(len(token_ids), tuple(drafts), track) for drafts, track in declined]
+        # scored as the text passes them: the offers not taken, and the one taken past its first k drafts
+        declined = [(*offer, k * (each == name)) for each, offer in offers.items() if each != name or k < len(offer[0])]
+        request.declined += [(len(token_ids), tuple(drafts), track, taken) for drafts, track, taken in declined]
         choice.drafted = proposal.token_ids.shape[0]
         choice.proposed_at = time.perf_counter()
         choice.draft_seconds = choice.proposed_at - started
@@ -206,16 +207,17 @@ class AutoDrafter(Drafter):
         next, once it did, with the next token's: greedy, exactly when they are the tokens.) Evidence
         as good as a drafted step's, for free, so a track learned low elsewhere recovers where this
         text repeats; and learned from every offer, where drafted steps alone, taken when the estimate
-        ran high, fell short of it (regression to the mean) and priced weak matches low."""
+        ran high, fell short of it (regression to the mean) and priced weak matches low. One taken in
+        part is scored past the ``taken`` drafts where they passed: else a match cut short stays so."""
         request, pending = self._request, []
-        for position, drafts, track in request.declined:
+        for position, drafts, track, taken in request.declined:
             seen = token_ids[position : position + len(drafts)]
             matched = next((i for i, token in enumerate(seen) if token != drafts[i]), len(seen))
             if matched == len(seen) < len(drafts):  # the text has not passed it yet
-                pending.append((position, drafts, track))
-                continue
-            request.pool(continued(track, len(drafts)), matched)
-            request.last_tried[track] = request.step
+                pending.append((position, drafts, track, taken))
+            elif matched >= taken:  # (a part taken and rejected says nothing of what followed it)
+                request.pool(continued(track, len(drafts))[taken:], matched - taken)
+                request.last_tried[track] = request.step
         request.declined = pending
 
     def _alpha(self, track: str) -> float:

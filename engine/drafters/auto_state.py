@@ -89,9 +89,9 @@ class RequestState:
     last_tried: dict[str, int] = field(default_factory=dict)  # step number each candidate and track last ran
     # (tokens, seconds) text matching or plain decoding made of the last few steps: a draft step must beat it
     text_pace: tuple[float, float] = (0.0, 0.0)
-    # text offers steps did not take, (position, drafts, track): the tokens committed from there say
-    # how many of its drafts would have passed (``AutoDrafter._score_declined``)
-    declined: list[tuple[int, tuple[int, ...], str]] = field(default_factory=list)
+    # text offers steps did not take, (position, drafts, track, drafts taken): the tokens committed from
+    # there say how many of its drafts would have passed (``AutoDrafter._score_declined``)
+    declined: list[tuple[int, tuple[int, ...], str, int]] = field(default_factory=list)
     # (steps a text match took, steps), older ones faded, from LEFT_PRIOR_STEPS it did not take: a
     # draft model that catches up drafts only on the steps text matching leaves to others, so its
     # catch-up is paid back over those

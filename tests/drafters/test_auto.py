@@ -148,7 +148,7 @@ def test_a_damped_request_prices_its_text_matches_on_tracks_of_their_own():
         proposal = auto.propose(prompt, 1, sampler)
         assert proposal.drafter == drafter and proposal.token_ids.tolist() == ([10] if drafter == "suffix" else [])
         assert auto._choice.track == (track if drafter == "suffix" else None)
-        assert auto._request.declined == ([] if drafter == "suffix" else [(len(prompt), (10,), track)])
+        assert auto._request.declined == ([] if drafter == "suffix" else [(len(prompt), (10,), track, 0)])
         auto.accept(len(prompt))
 
 
@@ -219,18 +219,32 @@ def test_a_declined_text_offer_is_scored_by_how_many_of_its_drafts_the_committed
     from its first draft alone, a track learned only from the steps that drafted, taken when its
     estimate ran high, and they fell short of it: greedy code lost 6% of its steps to `suffix` alone."""
     auto = priced_auto({0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@1": 0.3})
-    auto._request.declined = [(3, (7, 9), "suffix@1"), (4, (8, 5, 6), "suffix@2")]
+    auto._request.declined = [(3, (7, 9), "suffix@1", 0), (4, (8, 5, 6), "suffix@2", 0)]
     auto._score_declined([1, 2, 3, 7, 8, 5])  # 7 then 8 at 3: the first draft passed, the second not
     assert auto._request.evidence == {"suffix@1": (1, 0), "suffix@2": (0, 1)}
     assert auto._request.last_tried["suffix@1"] == auto._request.step
-    assert auto._request.declined == [(4, (8, 5, 6), "suffix@2")]  # 8, 5 so far: its third is not yet known
+    assert auto._request.declined == [(4, (8, 5, 6), "suffix@2", 0)]  # 8, 5 so far: its third is not yet known
     auto._score_declined([1, 2, 3, 7, 8, 5, 6, 4])  # all three held
     assert auto._request.evidence["suffix@2"] == (2, 0.9) and auto._request.evidence["suffix@4"] == (1, 0)
     assert not auto._request.declined
-    auto._request.declined = [(4, (9,), "suffix@1")]
+    auto._request.declined = [(4, (9,), "suffix@1", 0)]
     held = auto._alpha("suffix@1")
     auto._score_declined([1, 2, 3, 7, 8])  # 8, not 9
     assert auto._alpha("suffix@1") < held
+
+
+def test_an_offer_taken_in_part_is_scored_past_its_taken_drafts_where_they_passed():
+    """A step that drafts the first k of a longer offer learns nothing of the rest from its verify:
+    a match priced short-lived in another type of text (a scope's chat before its summaries) would
+    stay cut short, its longer drafts never tried (summaries took 48 steps to `suffix` alone's 44).
+    Once the text has passed the rest, it is scored as a declined offer's, on the tracks it continues,
+    unless a taken draft was rejected (what followed a rejected token says nothing)."""
+    auto = priced_auto({0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@2": 0.6})
+    auto._request.declined = [(3, (7, 8, 9, 5), "suffix@2", 2), (3, (5, 8, 9), "suffix@2", 1)]
+    auto._score_declined([1, 2, 3, 7, 8, 9, 4])  # the first two passed, then the third; the fourth not
+    # the first offer's drafts 3 and 4 continue the match 4 and 5 tokens long; the second's taken draft failed
+    assert auto._request.evidence == {"suffix@4": (1, 1)}
+    assert not auto._request.declined
 
 
 class FixedCosts(StepCosts):
