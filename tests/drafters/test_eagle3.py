@@ -3,6 +3,7 @@ Qwen2 targets. Exactness at temperature 0 here; the chi-square suite (test_lossl
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -84,6 +85,11 @@ def test_a_head_that_does_not_fit_the_target_is_refused():
         load_head(str(random_eagle3_head(tiny_llama(seed=3, vocab_size=80, layers=4), (0, 1, 3))), target)
     with pytest.raises(ConfigError, match=r"aux layers \[0, 1, 7\] must be distinct layers of the target's 0..3"):
         load_head(str(random_eagle3_head(tiny_llama(seed=3, vocab_size=96, layers=8), (0, 1, 7))), target)
+    folder = random_eagle3_head(tiny_llama(seed=3, vocab_size=96, layers=4), (0, 1, 3))  # its checkpoint assigned:
+    config = json.loads((folder / "config.json").read_text())  # a tensor of another shape is refused in one line
+    (folder / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 40}))
+    with pytest.raises(ConfigError, match=r"draft_head: d2t is \[48\]; the config makes it \[40\]"):
+        load_head(str(folder), target)
 
 
 def test_a_misfit_head_stops_start_up_in_one_line(tiny_model_dirs, tmp_path):
