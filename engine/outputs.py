@@ -43,13 +43,17 @@ class ContinuationIndex:
                         del table[key]
 
     def longest_match(self, context: list[int]) -> tuple[int, dict[int, int] | None]:
-        """(n, counts) for the longest suffix of ``context`` that was seen with a continuation."""
-        tail = tuple(context[-self.max_match :])
-        for n in range(len(tail), 0, -1):
+        """(n, counts) for the longest suffix of ``context`` that was seen with a continuation. The
+        keys are closed under suffixes (``add`` indexes every n-gram ending before a token, and takes
+        away as it added), so the search climbs from one token and stops at the first miss: a text
+        that seldom repeats looks up one or two keys a step, not max_match."""
+        tail, found = tuple(context[-self.max_match :]), (0, None)
+        for n in range(1, len(tail) + 1):
             counts = self.table.get(tail[-n:])
-            if counts:
-                return n, counts
-        return 0, None
+            if not counts:
+                break
+            found = n, counts
+        return found
 
     @property
     def size(self) -> int:

@@ -27,6 +27,27 @@ def test_the_longest_match_picks_the_most_frequent_continuation():
     assert index.longest_match([42]) == (0, None)
 
 
+def test_the_longest_match_climbing_from_one_token_finds_what_a_search_of_every_length_finds():
+    """``longest_match`` stops at the first length not indexed, which is exact only because the keys
+    are closed under suffixes, through additions and evictions alike: checked against a search of
+    every length, longest first, over random texts in a small vocabulary (many matches)."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(100):
+        index = ContinuationIndex(8)
+        texts = [[rng.randrange(5) for _ in range(rng.randrange(2, 40))] for _ in range(4)]
+        for text in texts:
+            index.add(text)
+        index.add(texts[trial % 4], sign=-1)  # an output evicted
+        for _ in range(30):
+            tail = tuple(rng.randrange(5) for _ in range(rng.randrange(1, 12)))[-8:]
+            found = next(
+                ((n, index.table[tail[-n:]]) for n in range(len(tail), 0, -1) if tail[-n:] in index.table), None
+            )
+            assert index.longest_match(list(tail)) == (found or (0, None))
+
+
 def test_a_repeated_passage_is_drafted_and_the_length_follows_the_match():
     drafter = SuffixDrafter(CPU, None)
     drafter.begin([])
