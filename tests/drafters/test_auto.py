@@ -439,9 +439,10 @@ def test_live_verify_timings_move_the_start_up_line_as_a_whole():
 
 
 def test_a_plain_step_is_priced_apart_from_the_line_over_drafting_steps():
-    """The first drafted row costs more than each one after it (the int8 target: 6.1 ms plain, 7.8 with one draft, then about 1 ms a row).
-    One line through every k priced a plain step high and one draft low, so a one-token match was
-    taken where it could not pay. Plain steps price k = 0 alone; drafting steps, the line."""
+    """The first drafted row costs more than each one after it (the int8 target: 6.1 ms plain, 7.8
+    with one draft, then about 1 ms a row). One line through every k priced a plain step high and one
+    draft low, so a one-token match was taken where it could not pay. Plain steps price k = 0 alone;
+    drafting steps, the line."""
     costs = StepCosts()
     costs.expect(verify={0: 0.0063, 1: 0.0078, 2: 0.0087, 3: 0.0097, 4: 0.0103})  # start-up: the line over k >= 1
 
