@@ -204,6 +204,7 @@ struct Q6_K {
   }
 };
 
+constexpr int64_t kPrefetchBytes = 2048;
 // out[n * out_stride + o] = sum_i x[n * x_stride + i] * W[o, i] for rows n < R and o in [o_begin, o_end),
 // W's rows being row_bytes apart in w. Each block is decoded once and used by all R rows; each row
 // keeps two accumulators (alternate vectors of a block), two dependency chains.
@@ -217,6 +218,7 @@ static void rows_times(const uint8_t* w, int64_t row_bytes, int64_t in_features,
     vf acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf{};
     for (int64_t blk = 0; blk < num_blocks; ++blk) {
+      __builtin_prefetch(row + blk * F::kBytes + kPrefetchBytes);
       F::decode(row + blk * F::kBytes, decoded);
       const float* xb = x + blk * F::kBlock;
       for (int j = 0; j < F::kBlock; j += 2 * kLanes) {
