@@ -39,7 +39,7 @@ static inline vf exp_lanes(vf x) {
 void attend(const float* q, int64_t q_head_stride, int64_t q_row_stride, const float* k, const float* v,
             int64_t kv_head_stride, int64_t kv_row_stride, const bool* mask, int64_t mask_row_stride,
             int64_t num_queries, int64_t window, int64_t dim, float scale, int64_t begin, int64_t end, float* out,
-            float* scores) {
+            int64_t tokens, int64_t token_stride, float* scores) {
   const int64_t chunks = dim / kLanes;
   for (int64_t index = begin; index < end; ++index) {
     const int64_t head = index / num_queries, row = index % num_queries;
@@ -60,7 +60,8 @@ void attend(const float* q, int64_t q_head_stride, int64_t q_row_stride, const f
       scores[w] = lanes_sum(dot) * scale;
       best = scores[w] > best ? scores[w] : best;
     }
-    float* dest = out + index * dim;
+    // row r of KV head h is query head h * G + r / tokens at token r % tokens (G = num_queries / tokens)
+    float* dest = out + (row % tokens) * token_stride + (head * (num_queries / tokens) + row / tokens) * dim;
     if (best == -std::numeric_limits<float>::infinity()) {  // a row that sees nothing: zeros
       std::memset(dest, 0, sizeof(float) * dim);
       continue;

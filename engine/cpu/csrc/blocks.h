@@ -38,7 +38,7 @@ static inline float half_to_float(uint16_t h) {
   void attend(const float* q, int64_t q_head_stride, int64_t q_row_stride, const float* k, const float* v,     \
               int64_t kv_head_stride, int64_t kv_row_stride, const bool* mask, int64_t mask_row_stride,         \
               int64_t num_queries, int64_t window, int64_t dim, float scale, int64_t begin, int64_t end,        \
-              float* out, float* scores);                                                                      \
+              float* out, int64_t tokens, int64_t token_stride, float* scores);                                \
   }
 SPECSERVE_DECLARE(portable)
 SPECSERVE_DECLARE(avx2)

@@ -192,10 +192,13 @@ at::Tensor rotate_into_cache(const at::Tensor& qkv, const at::Tensor& cos, const
 }
 
 // query [1, H_kv, Q, D] over keys and values [1, H_kv, W, D] (rows of D contiguous), mask [Q, W]
-// (true: attend; none: every position) -> [1, H_kv, Q, D], by instruction set ``isa`` (-1: the
-// widest this CPU runs whose vectors divide D)
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                            const std::optional<at::Tensor>& mask, double scale, int64_t isa) {
+// (true: attend; none: every position), by instruction set ``isa`` (-1: the widest this CPU runs
+// whose vectors divide D), into ``out``: [1, H_kv, Q, D] where ``tokens`` is 1; where Q holds the G
+// query heads of each KV head for T = ``tokens`` tokens (decode_layer's grouped rows, G T), [T, H_kv G D]
+// with tokens token_stride floats apart, as the o product reads them (no copy between)
+void attend_into(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                 const std::optional<at::Tensor>& mask, double scale, int64_t isa, float* o, int64_t tokens,
+                 int64_t token_stride) {
   check_float(query, "query");
   check_float(keys, "keys");
   check_float(values, "values");
@@ -221,9 +224,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
                 "mask must be bool [Q, W]");
     allowed = mask_rows.data_ptr<bool>();
   }
-  at::Tensor out = at::empty({1, heads, num_queries, dim}, query.options());
+  TORCH_CHECK(tokens >= 1 && num_queries % tokens == 0, "the query rows must be whole groups of tokens");
   const float *q = query.data_ptr<float>(), *k = keys.data_ptr<float>(), *v = values.data_ptr<float>();
-  float* o = out.data_ptr<float>();
   const int64_t tasks = heads * num_queries;
   auto run = isa == 2 ? specserve_blocks::avx512::attend
              : isa == 1 ? specserve_blocks::avx2::attend
@@ -234,8 +236,16 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   at::parallel_for(0, tasks, task_grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(window + kLanes[isa]);  // room for a vector's padding
     run(q, query.stride(1), query.stride(2), k, v, keys.stride(1), keys.stride(2), allowed, window, num_queries,
-        window, dim, static_cast<float>(scale), begin, end, o, scores.data());
+        window, dim, static_cast<float>(scale), begin, end, o, tokens, token_stride, scores.data());
   });
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                            const std::optional<at::Tensor>& mask, double scale, int64_t isa) {
+  check_float(query, "query");
+  TORCH_CHECK(query.dim() == 4, "query must be [1, H_kv, Q, D]");
+  at::Tensor out = at::empty({1, query.size(1), query.size(2), query.size(3)}, query.options());
+  attend_into(query, keys, values, mask, scale, isa, out.data_ptr<float>(), 1, 0);
   return out;
 }
 
@@ -270,9 +280,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   const at::Tensor q = rotate_into_cache(qkv, cos, sin, keys, values, heads, start);  // [1, H, T, D]
   const int64_t window = start + length;
   const at::Tensor grouped = q.view({1, kv_heads, heads / kv_heads * length, dim});  // [1, H_kv, G*T, D]
-  const at::Tensor attended = decode_attention(grouped, keys.narrow(2, 0, window), values.narrow(2, 0, window), mask,
-                                               scale, -1);  // [1, H_kv, G*T, D]
-  const at::Tensor rows = attended.view({1, heads, length, dim}).transpose(1, 2).reshape({length, heads * dim});
+  at::Tensor rows = at::empty({length, heads * dim}, hidden.options());  // [T, H*D], each token's heads in order
+  attend_into(grouped, keys.narrow(2, 0, window), values.narrow(2, 0, window), mask, scale, -1, rows.data_ptr<float>(),
+              length, heads * dim);
   at::Tensor attention_out = at::empty({1, length, width}, hidden.options());  // [1, T, E]
   at::Tensor attention_rows = attention_out.view({length, width});
   specserve_blocks::blocks_times(rows, o_blocks, o_format, heads * dim, isa, attention_rows);
