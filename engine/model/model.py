@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from .attention import attend, native_attention
 from .kernels import Pointwise
 from .kv import KVCache, lazy_zeros
+from .layer_stack import LayerStack, layer_products
 from .weights import FUSED, ProductWeights, fuse_linears
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -99,6 +100,7 @@ class CausalLM:
             layer_products(layer) if self.silu and i not in self.head_norms else None
             for i, layer in enumerate(self.layers)
         ]
+        self._stack = LayerStack()  # all of a step's fused layers as one call's arguments
 
     @property
     def weight_bytes(self) -> int:
@@ -284,6 +286,9 @@ class CausalLM:
         num_new, group = input_ids.shape[0], self.num_heads // self.num_kv_heads
         fusable = self.kernels.native and start is not None and not chunks and num_new <= DIRECT_ROWS
         fusable = fusable and native_attention(num_new * group, self.head_dim)  # as the layer op by op would
+        stacked = self._stack.run(self, hidden, layers, cos, sin, start, mask) if fusable else None
+        if stacked is not None:  # every layer's products GGUF blocks: the layers in one call (the same values)
+            (hidden, delta), layers = stacked, ()
         for index in layers:
             layer = self.layers[index]
             # a layer whose products are all GGUF blocks, at decode or verify: one call (the same values)
@@ -344,12 +349,6 @@ class CausalLM:
         # MLP weight with ``F.linear`` took a slow BLAS path)
         gated = self.kernels.gate(self.weights.linear(x, mlp, "gate_up_weight"))  # [1, T, 2I] -> [1, T, I]
         return self.weights.linear(gated, mlp.down_proj, "weight")  # [1, T, E]
-
-
-def layer_products(layer: nn.Module) -> list[tuple[nn.Module, str]]:
-    """A decoder layer's products as (module, weight attribute): q/k/v as one, o, gate/up as one, down."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return [(attn, "qkv_weight"), (attn.o_proj, "weight"), (mlp, "gate_up_weight"), (mlp.down_proj, "weight")]
 
 
 def upload(token_ids: list[int], device: torch.device) -> torch.Tensor:

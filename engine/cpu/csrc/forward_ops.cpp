@@ -297,6 +297,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   return {entering, after, mlp_out};
 }
 
+// Every layer of a decode or verify step in one call: decode_layer for each of L layers in turn, the
+// same calls in the same order (the same values); from Python, 30 calls a step and the arguments of
+// each cost more than a tenth of a step's time outside its kernels. Layer i: input_norms[i],
+// post_norms[i], blocks and formats [4 i, 4 i + 4) (q/k/v, o, gate/up, down), qkv_biases[i], keys[i]
+// and values[i]; where feature_slots[i] >= 0, the residual stream entering it is copied to
+// features[slot] at positions [start, start + T). -> (the residual stream after the last layer's
+// attention, its MLP's output), as decode_layer's last two.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden, at::TensorList input_norms, at::TensorList post_norms, double eps, at::TensorList blocks,
+    at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& qkv_biases, int64_t isa, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList keys, at::TensorList values, int64_t heads, int64_t start,
+    const std::optional<at::Tensor>& mask, double scale, const std::optional<at::Tensor>& features,
+    at::IntArrayRef feature_slots) {
+  const size_t layers = input_norms.size();
+  TORCH_CHECK(layers > 0 && post_norms.size() == layers && blocks.size() == 4 * layers &&
+                  formats.size() == 4 * layers && qkv_biases.size() == layers && keys.size() == layers &&
+                  values.size() == layers && feature_slots.size() == layers,
+              "decode_layers needs, per layer, two norms, four products and their formats, a bias, keys and values");
+  at::Tensor state = hidden;
+  std::optional<at::Tensor> delta;
+  for (size_t i = 0; i < layers; ++i) {
+    at::Tensor layer_keys = keys[i], layer_values = values[i];
+    auto [entering, after, added] = decode_layer(
+        state, delta, input_norms[i], post_norms[i], eps, blocks[4 * i], formats[4 * i], qkv_biases.get(i),
+        blocks[4 * i + 1], formats[4 * i + 1], blocks[4 * i + 2], formats[4 * i + 2], blocks[4 * i + 3],
+        formats[4 * i + 3], isa, cos, sin, layer_keys, layer_values, heads, start, mask, scale);
+    if (feature_slots[i] >= 0) {
+      TORCH_CHECK(features.has_value(), "a layer's features asked for without a features tensor");
+      features->select(0, feature_slots[i]).narrow(0, start, entering.size(1)).copy_(entering[0]);
+    }
+    state = after;
+    delta = added;
+  }
+  return {state, *delta};
+}
+
 }  // namespace
 }  // namespace specserve_forward
 
@@ -312,6 +348,10 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
       "int qkv_format, Tensor? qkv_bias, Tensor o_blocks, int o_format, Tensor gate_up_blocks, int gate_up_format, "
       "Tensor down_blocks, int down_format, int isa, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
       "int heads, int start, Tensor? mask, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "decode_layers(Tensor hidden, Tensor[] input_norms, Tensor[] post_norms, float eps, Tensor[] blocks, "
+      "int[] formats, Tensor?[] qkv_biases, int isa, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, "
+      "int heads, int start, Tensor? mask, float scale, Tensor(c!)? features, int[] feature_slots) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale, int isa=-1) -> Tensor");
 }
 
@@ -323,4 +363,5 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
   m.impl("rotate_into_cache", specserve_forward::rotate_into_cache);
   m.impl("decode_attention", specserve_forward::decode_attention);
   m.impl("decode_layer", specserve_forward::decode_layer);
+  m.impl("decode_layers", specserve_forward::decode_layers);
 }
