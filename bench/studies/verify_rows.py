@@ -8,6 +8,8 @@ computes them) after a context of 300 and of 1,000 random tokens, the row counts
 forward rolled back, medians of ``--repeats``. Each run is kept under its label beside the commit and the
 host, so two builds of engine/cpu/_blocks can be compared run against run: build one, run, build the
 other, run, and alternate (the host drifts by 10% over minutes; compare within the alternation).
+``--layers-apart`` calls a step's fused layers one by one from Python (as before specserve::decode_layers),
+the other side of that comparison in one build.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", required=True, help="what this build is (a commit, a change's name)")
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--layers-apart", action="store_true", help="one decode_layer call a layer, not decode_layers")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     run: dict = {
@@ -62,6 +65,8 @@ def main() -> None:
     for activations in ("int8", "float32"):
         loaded = load_engine(EngineConfig(drafter="none", activations=activations), show_progress=False)
         target = loaded.engine.target
+        if args.layers_apart:  # the step's layers called one by one from Python, as before decode_layers
+            target._stack.run = lambda *_: None
         run[activations] = {f"context {context}": forward_ms(target, context, args.repeats) for context in (300, 1000)}
         print(args.label, activations, run[activations], flush=True)
         del loaded, target
