@@ -45,6 +45,9 @@ SPECSERVE_DECLARE(avx2)
 SPECSERVE_DECLARE(avx512)
 #undef SPECSERVE_DECLARE
 
+// bytes past the block being multiplied that its kernel asks for from memory now (blocks_int8.cpp says why)
+constexpr int64_t kPrefetchBytes = 2048;
+
 int64_t best_isa();  // the widest instruction set this CPU runs: 0 portable, 1 AVX2, 2 AVX-512
 
 // blocks_int8.cpp: whether this CPU runs its vector path; x [N, I] (rows x_stride apart) times a

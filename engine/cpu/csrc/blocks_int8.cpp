@@ -135,11 +135,10 @@ void groups(const uint8_t* packed, const Activations& a, int64_t num_rows, int64
 #define INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
 // A weight's groups are read once a step, in address order, from memory (the weights a step reads do
-// not fit in the caches): each block asks for the one kPrefetchBytes ahead of it, so the loads arrive
-// while the blocks before are multiplied. Left to the hardware's prefetchers, a group's first blocks
+// not fit in the caches): each block asks for the one kPrefetchBytes (blocks.h) ahead of it, so the
+// loads arrive while the blocks before are multiplied. Left to the hardware's prefetchers, a group's first blocks
 // waited on memory: a verify's forward over 300 tokens of context took 8-15% longer at one row, 9-19%
 // at two, 14-16% at five (this Xeon; a prefetch past a weight's end is harmless, and no value changes).
-constexpr int64_t kPrefetchBytes = 2048;
 template <typename L>
 inline void prefetch_ahead(const uint8_t* block) {
   for (int64_t line = 0; line < L::kPackedBytes; line += 64)

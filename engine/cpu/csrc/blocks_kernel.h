@@ -204,8 +204,6 @@ struct Q6_K {
   }
 };
 
-// bytes past the block being multiplied that are asked for from memory now (see blocks_int8.cpp)
-constexpr int64_t kPrefetchBytes = 2048;
 // out[n * out_stride + o] = sum_i x[n * x_stride + i] * W[o, i] for rows n < R and o in [o_begin, o_end),
 // W's rows being row_bytes apart in w. Each block is decoded once and used by all R rows; each row
 // keeps two accumulators (alternate vectors of a block), two dependency chains.
