@@ -283,6 +283,20 @@ def robust_line(values: list[float]) -> list[float]:
     return [max(intercept + slope * x, min(values) / 2) for x in range(n)]
 
 
+def verify_prices(timed: list[float]) -> dict[int, float]:
+    """Start-up's prices of a verify by k from its timings (``verify_seconds``): the robust line over
+    k >= 1, and a plain step (k = 0) apart, at most the line at k = 1 less one row. A plain step does
+    less than a verify of one draft, whose first row costs at least what each further one does (the
+    int8 target: 1.3-1.8 ms against 0.7-1.0), so a plain reading above that was disturbed: one at
+    11.3 ms against 10.4 at k = 1 (a busy moment of the host) made every one-token draft look free,
+    and the plain steps that would have corrected the price were seldom taken."""
+    line = robust_line(timed[1:])
+    if not line:
+        return {0: timed[0]}  # no drafts: a plain step alone
+    row = line[1] - line[0] if len(line) > 1 else 0.0
+    return {0: min(timed[0], line[0] - row)} | dict(enumerate(line, start=1))
+
+
 def fitted_line(values: list[float]) -> list[float]:
     """The least-squares line through ``values`` (at x = 0, 1, ...), its slope at least 0."""
     n = len(values)

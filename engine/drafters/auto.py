@@ -42,8 +42,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from .. import measure
 from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, beats_plain, expected_tokens
-from ..measure import agreement, extra_row_seconds, prefill_seconds_per_token, read_seconds, robust_line, verify_seconds
 from ..model.model import upload
 from ..sampling import RequestSampler
 from .auto_state import (
@@ -88,25 +88,25 @@ class AutoDrafter(Drafter):
         self._choice: StepChoice | None = None
 
     def warm_up(self) -> None:
-        """Price the candidates before the first request: the target's verify over k + 1 tokens for each k, after a
-        chat turn's context (best of three; k >= 1 on a robust line: readings scatter by 10-15%, and a high one
-        would keep its k from ever being tried; k = 0 apart, as ``StepCosts`` prices it), the draft model's
-        step and catch-up, its agreement (unless measured)."""
+        """Price the candidates before the first request: the target's verify over k + 1 tokens for each k after a
+        chat turn's context (best of three, priced by ``measure.verify_prices``: a robust line over k >= 1, a plain
+        step apart and below it), the draft model's step and catch-up, its agreement (unless measured)."""
         if self.resources is None:
             return
         target, draft, config = self.resources.target, self.resources.draft, self.resources.config
         max_query = config.num_draft_tokens + 2
-        timed = verify_seconds(target, max_query - 2)
+        timed = measure.verify_seconds(target, max_query - 2)
         draft_step = None
         if draft is not None:
-            draft_step = read_seconds(draft, 1, repeats=3)
+            draft_step = measure.read_seconds(draft, 1, repeats=3)
             readers = [candidate for candidate in self.candidates.values() if candidate.runs_model]
             if not all(reader.reads_target_cache for reader in readers):  # one reading the target's cache has none
-                self.expect_catch_up(prefill_seconds_per_token(draft), extra_row_seconds(draft, max_query, draft_step))
+                per_token = measure.prefill_seconds_per_token(draft)
+                self.expect_catch_up(per_token, measure.extra_row_seconds(draft, max_query, draft_step))
             if self.draft_agreement is None:
-                self.draft_agreement = agreement(draft, target)
+                self.draft_agreement = measure.agreement(draft, target)
             self.expect_agreement(self.draft_agreement)
-        self.expect_step_costs({0: timed[0]} | dict(enumerate(robust_line(timed[1:]), start=1)), draft_step)
+        self.expect_step_costs(measure.verify_prices(timed), draft_step)
         for name, candidate in self.candidates.items():  # a model of its own (an EAGLE-3 head): its own price
             if (own := candidate.own_costs() if candidate.runs_model else None) is not None:
                 self.draft_costs[name] = StepCosts(draft=own.step_seconds, provisional_draft=True)

@@ -10,7 +10,7 @@ import torch
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
 from engine.drafters.auto_state import DAMPED_MATCH_PRIORS, MATCH_PRIORS, match_track
 from engine.factory import warm_up
-from engine.measure import CONTEXT_CHUNK, VERIFY_CONTEXT, robust_line, verify_seconds
+from engine.measure import CONTEXT_CHUNK, VERIFY_CONTEXT, robust_line, verify_prices, verify_seconds
 from engine.request import Request
 from engine.sampling import RequestSampler, SamplingParams
 from tests.tiny import perturbed_copy, tiny_engine, tiny_llama
@@ -392,6 +392,26 @@ def test_one_disturbed_start_up_timing_cannot_tip_the_verify_line(timed):
     assert robust_line(timed) == pytest.approx([6.0, 8.0, 10.0, 12.0, 14.0])
     assert robust_line([5.0, 4.0, 3.0, 2.0, 1.0]) == [3.0] * 5  # no k is cheaper than a smaller one
     assert min(robust_line([1.0, 1.0, 1.0, 9.0, 9.0])) == 0.5  # and none is free
+
+
+def test_a_disturbed_start_up_reading_of_a_plain_step_is_priced_below_a_verify_of_one_draft():
+    """A plain step does less than a verify of one draft, whose first row costs at least each further
+    one. Start-up read a plain step at 11.3 ms against 10.4 at k = 1 (a busy moment of the host): every
+    one-token draft then looked free, and the plain steps that would correct the price were seldom
+    taken (chat at 0.8 ran 0.94x target-only). Priced at most the line at 1 less a row, a weak match
+    goes to plain decoding."""
+    disturbed = [0.0113, 0.0104, 0.0112, 0.0120, 0.0128]
+    prices = verify_prices(disturbed)
+    assert prices[0] == pytest.approx(0.0096) and [prices[k] for k in range(1, 5)] == pytest.approx(disturbed[1:])
+    assert verify_prices([0.0082, 0.0095, 0.0103, 0.0112, 0.0121])[0] == 0.0082  # an undisturbed reading stands
+    assert verify_prices([0.0082]) == {0: 0.0082}  # no drafts: a plain step alone
+    auto = priced_auto({0: 1.0}, 0.006, {"suffix@1": 0.05, "model": 0.05, "staged": 0.05})
+    auto.verify = StepCosts()
+    auto.verify.expect(verify=prices)
+    assert auto._choose([1, 2, 3], 4, offer(1, 1)) == (None, 0)
+    auto.verify = StepCosts()
+    auto.verify.expect(verify=dict(enumerate(disturbed)))  # the reading as it was: the weak match looks free
+    assert auto._choose([1, 2, 3], 4, offer(1, 1)) == ("suffix", 1)
 
 
 def test_start_up_times_every_k_after_a_chat_turns_context():
