@@ -221,12 +221,19 @@ def _sse_ratios(results: dict[str, dict[str, dict]]) -> dict:
     return ratios
 
 
+def _repeats(settings: dict) -> str:
+    """How many repeats a prompt's median is of: "3 repeats", or "3 repeats (6 sampled)"."""
+    sampled = settings.get("sampled_repeats")
+    extra = f" ({sampled} sampled)" if sampled and sampled != settings["repeats"] else ""
+    return f"{settings['repeats']} repeats{extra}"
+
+
 def tables(report: dict) -> str:
     results, kinds = report["results"], list(report["results"])
     labels = list(dict.fromkeys(label for metrics in results.values() for label in metrics))
     lines = [
         f"Decode tokens/s (and speedup over specserve's target-only), {report['model']}, {_sampling(report)}, {report['settings']['max_tokens']}"
-        f" new tokens, each prompt's median of {report['settings']['repeats']} repeats, summed over a type's prompts; read bandwidth "
+        f" new tokens, each prompt's median of {_repeats(report['settings'])}, summed over a type's prompts; read bandwidth "
         f"{report['machine']['read_bandwidth_gb_s']} GB/s, so one float32 forward takes at least "
         f"{report['bound_ms_per_forward']} ms. Decode tokens/s counts the tokens after the first arrival over the "
         "time since it (tokens streamed together with the first one were made before it arrived).",

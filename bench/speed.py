@@ -1,9 +1,10 @@
 """specserve against Hugging Face transformers on the same model, machine and prompts.
 
-    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats (~20 min)
+    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats, 6 sampled (~22 min)
     make bench-quick    # one prompt per type, one repeat, 64 tokens
 
-Configurations, run in interleaved order so machine noise hits all alike:
+Configurations, run in interleaved order so machine noise hits all alike (each round starting one
+configuration further on, so none always runs right after the same other one):
   hf:generate, hf:assisted (bfloat16 copy as assistant), hf:prompt-lookup (5 tokens), in this process;
   llama.cpp (llama-cpp-python on the same GGUF file, same thread count), when it imports;
   serve:default (no speculative settings: the server's default), serve:<drafter>[+adaptive],
@@ -20,7 +21,9 @@ own ``user``, so what the server keeps across requests (the suffix cache) never 
 Greedy decoding unless --temperature (the server's runs only, with --serve-only); every greedy output
 is checked against the target-only output. The types of --sampled-types (chat, open prose) also run
 sampled at --sampled-temperature (0.8) on the servers, as "chat@0.8", seeded by the repeat: a seed
-means the target's text under every drafter, so those outputs are checked too.
+means the target's text under every drafter, so those outputs are checked too. --sampled-repeats
+runs them more often than --repeats (each seed writes another text, so their rates scatter more);
+the repeats past --repeats run in scopes (``user``) where nothing else ran.
 
 Writes bench/results/<name>.json after every round of configurations (marked "partial", with how
 far it got, until the end), then the .png and .md (every table), and prints the summary; with
@@ -104,6 +107,7 @@ def main() -> None:
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="specserve's draft (HF assisted keeps a bfloat16 copy)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per run (default 96; quick 64)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per prompt (default 1)")
+    parser.add_argument("--sampled-repeats", type=int, default=None, help="runs per sampled prompt (default --repeats)")
     parser.add_argument("--types", default="chat,prose,code,summarise,long,agentic,multi-turn")
     parser.add_argument(
         "--sampled-types", default="chat,prose", help="also sampled at --sampled-temperature, through the servers"
@@ -252,6 +256,7 @@ def report(args, models, engine, server, configs: list[Config], runs: dict, band
                 "num_draft_tokens",
                 "max_tokens",
                 "repeats",
+                "sampled_repeats",
                 "quick",
                 "temperature",
                 "server_args",
@@ -273,12 +278,17 @@ def measure(
     ``save(runs, progress)`` is called after every round of configurations."""
     by_kind = {kind: kind_configs(configs, kind) for kind in prompts}
     runs: dict[str, dict[str, list[Run]]] = {kind: {c.label: [] for c in by_kind[kind]} for kind in prompts}
-    total = args.repeats * sum(
-        len(Conversation.of(entry).turns) * len(by_kind[kind]) for kind, entries in prompts.items() for entry in entries
+    repeats = {kind: repeats_of(kind, args) for kind in prompts}
+    total = sum(
+        repeats[kind] * len(Conversation.of(entry).turns) * len(by_kind[kind])
+        for kind, entries in prompts.items()
+        for entry in entries
     )
     done, started = 0, time.monotonic()
-    for repeat in range(args.repeats):
+    for repeat in range(max(repeats.values(), default=0)):
         for kind, entries in prompts.items():
+            if repeat >= repeats[kind]:
+                continue
             # a sampled type ("chat@0.8"): seeded, so every drafter of a target writes that target's text
             temperature = sampled_at(kind)
             sampling = None if temperature is None else {"temperature": temperature, "seed": repeat}
@@ -286,7 +296,9 @@ def measure(
                 conversation = Conversation.of(entry)
                 histories = {config.label: list(conversation.opening) for config in by_kind[kind]}
                 for turn, user_text in enumerate(conversation.turns):
-                    for config in by_kind[kind]:  # interleaved: every configuration on this turn, then the next
+                    # interleaved: every configuration on this turn, then the next; each round starts one
+                    # configuration further on, so none always runs right after the same other one
+                    for config in rotated(by_kind[kind], repeat + index + turn):
                         messages = histories[config.label] + [{"role": "user", "content": user_text}]
                         prompt_ids = chat_ids(tokenizer, messages)
                         user = f"{config.label}#{repeat}"  # one tenant per configuration and repeat
@@ -304,6 +316,19 @@ def measure(
                         )
                     save(runs, f"{done} of {total} runs")
     return runs
+
+
+def repeats_of(kind: str, args) -> int:
+    """Runs per prompt of a type: --repeats, and --sampled-repeats for a sampled one ("chat@0.8"),
+    whose seeds write a different text each repeat, so its rates scatter more."""
+    sampled = getattr(args, "sampled_repeats", None)
+    return sampled if sampled and sampled_at(kind) is not None else args.repeats
+
+
+def rotated(configs: list, shift: int) -> list:
+    """``configs`` starting ``shift`` places on (wrapping round)."""
+    shift %= max(len(configs), 1)
+    return configs[shift:] + configs[:shift]
 
 
 def _eta(started: float, done: int, total: int) -> str:

@@ -262,8 +262,9 @@ def test_the_other_target_is_checked_against_its_own_target_only_and_set_beside_
 
 def test_a_bench_saves_what_it_measured_after_every_round_and_says_how_far_it_got(tiny_model_dirs, tmp_path, capsys):
     """make bench's measuring loop against a real server on the tiny model: after each round of
-    configurations the results so far are saved (a run cut short keeps them), and every run prints
-    its progress with the time left."""
+    configurations the results so far are saved (a run cut short keeps them), every run prints its
+    progress with the time left, each round starts one configuration further on than the round
+    before, and a sampled type runs --sampled-repeats times."""
     from speed import Config, measure
 
     from tests.tiny import byte_tokenizer
@@ -275,8 +276,8 @@ def test_a_bench_saves_what_it_measured_after_every_round_and_says_how_far_it_go
         server.wait_ready()
         assert "draft model" in server.refusal("model") and server.refusal("ngram") is None  # no draft here
         configs = [Config("serve:none", "serve", "none"), Config("serve:ngram", "serve", "ngram")]
-        prompts = {"chat": ["Hello there", {"turns": ["one", "two"]}], "code": ["def f():"]}
-        args = type("Args", (), {"repeats": 1, "max_tokens": 8})()
+        prompts = {"chat": ["Hello there", {"turns": ["one", "two"]}], "code": ["def f():"], "chat@0.8": ["Hi"]}
+        args = type("Args", (), {"repeats": 1, "sampled_repeats": 2, "max_tokens": 8})()
 
         def save(runs, progress):
             saved.append(([kind for kind, by_label in runs.items() if all(by_label.values())], progress))
@@ -284,8 +285,18 @@ def test_a_bench_saves_what_it_measured_after_every_round_and_says_how_far_it_go
         runs = measure(configs, {"serve": server}, prompts, byte_tokenizer(), args, save)
     finally:
         server.close()
-    assert [progress for _, progress in saved] == ["2 of 8 runs", "4 of 8 runs", "6 of 8 runs", "8 of 8 runs"]
-    assert saved[0][0] == ["chat"] and saved[-1][0] == ["chat", "code"]
+    assert [progress for _, progress in saved] == [f"{2 * done} of 12 runs" for done in range(1, 7)]
+    assert saved[0][0] == ["chat"] and saved[-1][0] == ["chat", "code", "chat@0.8"]
     assert all(len(by_label) == 2 for by_label in runs.values())
+    assert [len(runs[kind]["serve:ngram"]) for kind in prompts] == [3, 1, 2]  # two turns of one chat; 2 sampled repeats
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
-    assert len(lines) == 8 and lines[0].startswith("[1/8, ") and " left] chat#0.0 serve:none" in lines[0]
+    assert len(lines) == 12 and lines[0].startswith("[1/12, ") and " left] chat#0.0 serve:none" in lines[0]
+    first = [line.split(" left] ")[1].split()[:2] for line in lines[::2]]  # each round's first run
+    assert first == [
+        ["chat#0.0", "serve:none"],
+        ["chat#1.0", "serve:ngram"],  # the next prompt: one further on
+        ["chat#1.1", "serve:none"],  # its next turn: one further again
+        ["code#0.0", "serve:none"],
+        ["chat@0.8#0.0", "serve:none"],
+        ["chat@0.8#0.0", "serve:ngram"],  # the second repeat, its own seed
+    ]
