@@ -289,12 +289,13 @@ def verify_prices(timed: list[float]) -> dict[int, float]:
     less than a verify of one draft, whose first row costs at least what each further one does (the
     int8 target: 1.3-1.8 ms against 0.7-1.0), so a plain reading above that was disturbed: one at
     11.3 ms against 10.4 at k = 1 (a busy moment of the host) made every one-token draft look free,
-    and the plain steps that would have corrected the price were seldom taken."""
+    and the plain steps that would have corrected the price were seldom taken. Never below half the
+    cheapest reading (nothing is free), where a disturbed line is steeper than its first point."""
     line = robust_line(timed[1:])
     if not line:
         return {0: timed[0]}  # no drafts: a plain step alone
     row = line[1] - line[0] if len(line) > 1 else 0.0
-    return {0: min(timed[0], line[0] - row)} | dict(enumerate(line, start=1))
+    return {0: min(timed[0], max(line[0] - row, min(timed) / 2))} | dict(enumerate(line, start=1))
 
 
 def fitted_line(values: list[float]) -> list[float]:

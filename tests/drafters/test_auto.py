@@ -405,6 +405,7 @@ def test_a_disturbed_start_up_reading_of_a_plain_step_is_priced_below_a_verify_o
     assert prices[0] == pytest.approx(0.0096) and [prices[k] for k in range(1, 5)] == pytest.approx(disturbed[1:])
     assert verify_prices([0.0082, 0.0095, 0.0103, 0.0112, 0.0121])[0] == 0.0082  # an undisturbed reading stands
     assert verify_prices([0.0082]) == {0: 0.0082}  # no drafts: a plain step alone
+    assert verify_prices([0.008, 0.010, 0.011, 0.040, 0.041])[0] == 0.004  # a line steeper than its start: not free
     auto = priced_auto({0: 1.0}, 0.006, {"suffix@1": 0.05, "model": 0.05, "staged": 0.05})
     auto.verify = StepCosts()
     auto.verify.expect(verify=prices)
