@@ -321,8 +321,7 @@ def measure(
 def repeats_of(kind: str, args) -> int:
     """Runs per prompt of a type: --repeats, and --sampled-repeats for a sampled one ("chat@0.8"),
     whose seeds write a different text each repeat, so its rates scatter more."""
-    sampled = getattr(args, "sampled_repeats", None)
-    return sampled if sampled and sampled_at(kind) is not None else args.repeats
+    return args.sampled_repeats if args.sampled_repeats and sampled_at(kind) is not None else args.repeats
 
 
 def rotated(configs: list, shift: int) -> list:
