@@ -231,6 +231,11 @@ class Eagle3Training:
     temperature: float = _help(0.8, "the temperature of the sampled answers")
     limit: int | None = _help(None, "only the first N prompts of the set")
     seed: int = _help(0, "seeds initialisation and batch order")
+    # int8: the features and distributions of the target `--activations int8` serves (a GGUF target on
+    # CPU), whose products round the activations as llama.cpp does; a head trained on float32
+    # features drafts that target a little worse (docs/drafters.md#eagle-3-heads)
+    activations: str = _help("float32", "the target whose features the head learns: float32 or int8 activations")
+    start_from: str | None = _help(None, "a head folder to continue from: its weights and draft vocabulary")
 
     def __post_init__(self) -> None:
         for name in (
@@ -252,3 +257,5 @@ class Eagle3Training:
             raise ConfigError(f"own_prompts must be at least 0, got {self.own_prompts}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be at least 1, got {self.limit}")
+        if self.activations not in ("float32", "int8"):
+            raise ConfigError(f"activations must be float32 or int8, got {self.activations!r}")

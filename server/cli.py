@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     eagle.add_argument("--out", default=None, help="head folder (default: the shipped head's folder)")
     for name, field in Eagle3Training.__dataclass_fields__.items():
         flag = "--" + name.replace("_", "-")
-        kind = float if field.type == "float" else int
+        kind = {"float": float, "str": str, "str | None": str}.get(field.type, int)
         eagle.add_argument(
             flag, type=kind, default=field.default, help=f"{field.metadata['help']} (default {field.default})"
         )

@@ -13,6 +13,10 @@ from it (what the head reaches on prompts it never saw, where its held-out answe
 training's kind).
 
     .venv/bin/python bench/studies/eagle3_unseen.py [--head DIR] [--max-tokens 96] [--name NAME] [--record]
+        [--activations float32|int8]
+
+``--activations int8``: the target ``serve --activations int8`` serves (the GGUF blocks with int8
+activations) answers, gives the features and serves the head, in place of the float32 target.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from engine.drafters.eagle3_head import default_aux_layers, load_head, shipped_h
 from engine.factory import load_engine  # noqa: E402
 from engine.model.loader import EMBEDDED_NAME, load_model, load_tokenizer  # noqa: E402
 from engine.model.model import CausalLM  # noqa: E402
-from engine.training.eagle3 import unrolled_loss  # noqa: E402
+from engine.training.eagle3 import int8_target, unrolled_loss  # noqa: E402
 from engine.training.eagle3_data import collect_features, make_batch  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[1]
@@ -75,10 +79,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--name", default="", help="results file suffix")
     parser.add_argument("--record", action="store_true", help="write unseen_acceptance into the head's training.json")
+    parser.add_argument("--activations", choices=("float32", "int8"), default="float32", help="the target's")
     args = parser.parse_args()
     head_dir = args.head or str(shipped_head(EMBEDDED_NAME))
     tokenizer = load_tokenizer(None)
-    target = CausalLM(load_model(None, torch.device("cpu"), torch.float32), 2048)
+    if args.activations == "int8":
+        target = int8_target(None, 2048)
+    else:
+        target = CausalLM(load_model(None, torch.device("cpu"), torch.float32), 2048)
     prompts = yaml.safe_load((BENCH / "prompts.yaml").read_text())
     conversations, firsts, names, asked = [], [], [], []
     for kind, texts in prompts.items():
@@ -103,7 +111,9 @@ def main() -> None:
             "serving_first_draft": round(serving_agreement(head, row, first), 3),
             "unrolled_per_step": [round(a, 3) for a in unrolled],
         }
-    config = EngineConfig(drafter="eagle3", draft_head=head_dir, num_draft_tokens=4, max_model_len=2048)
+    config = EngineConfig(
+        drafter="eagle3", draft_head=head_dir, num_draft_tokens=4, max_model_len=2048, activations=args.activations
+    )
     runner = EngineRunner(load_engine(config, show_progress=False).engine)
     for name, prompt_ids in zip(names, asked, strict=True):
         run = runner.run("eagle3", False, prompt_ids, args.max_tokens, name)
@@ -116,6 +126,7 @@ def main() -> None:
     report = {
         "host": host(),
         "head": head.describe(),
+        "activations": args.activations,
         "training_report": json.loads((Path(head_dir) / "training.json").read_text()).get("held_out_top1_per_step"),
         "max_tokens": args.max_tokens,
         "first_draft_by_type": {kind: round(sum(v) / len(v), 3) for kind, v in by_type.items()},
@@ -129,7 +140,7 @@ def main() -> None:
         recorded["unseen_acceptance"] = report["unseen_acceptance"]
         recorded["unseen_acceptance_from"] = (
             f"bench/studies/eagle3_unseen.py: the mean first-draft agreement over the {len(results)} prompts of "
-            f"bench/prompts.yaml, greedy, {args.max_tokens} tokens each"
+            f"bench/prompts.yaml, greedy, {args.max_tokens} tokens each, {args.activations} activations"
         )
         training.write_text(json.dumps(recorded, indent=2) + "\n")
     (BENCH / "results").mkdir(exist_ok=True)

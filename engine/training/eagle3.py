@@ -29,8 +29,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..config import ConfigError
 from ..config import Eagle3Training as TrainSettings
-from ..drafters.eagle3_head import Eagle3Head, default_aux_layers, draft_target_ids, save_head, shipped_head
+from ..drafters.eagle3_head import (
+    Eagle3Head,
+    default_aux_layers,
+    draft_target_ids,
+    read_config,
+    read_weights,
+    save_head,
+    shipped_head,
+)
 from ..model.kernels import rotate
 from ..model.model import CausalLM
 from .eagle3_data import (
@@ -104,7 +113,8 @@ def unrolled_loss(
         tokens = F.pad(ids[:, 1 + step :], (0, step))  # [B, T] token t + 1 + j at row t
         positions = torch.arange(length) + step  # [T]
         normed = layer.hidden_norm(feature)
-        x = torch.cat([layer.input_layernorm(target.embed(tokens)), normed], dim=-1)  # [B, T, 2H]
+        embedded = target.embedding(tokens.flatten()).view(count, length, -1)  # [B, T, H] as serving reads it
+        x = torch.cat([layer.input_layernorm(embedded), normed], dim=-1)  # [B, T, 2H]
         q = attn.q_proj(x).view(count, length, heads, dim).transpose(1, 2)  # [B, Hq, T, D]
         k = attn.k_proj(x).view(count, length, kv_heads, dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = attn.v_proj(x).view(count, length, kv_heads, dim).transpose(1, 2)
@@ -150,9 +160,30 @@ CONTINUED_ACROSS = ("epochs", "own_prompts", "samples")
 
 def _continues(saved: dict, settings: dict) -> bool:
     """Whether a checkpoint trained under ``saved`` continues under ``settings``: the same settings
-    resume it; more epochs or more data continue it under a learning-rate schedule of their own."""
+    resume it; more epochs or more data continue it under a learning-rate schedule of their own. A
+    setting the checkpoint predates counts as its default."""
     kept = [name for name in settings if name not in CONTINUED_ACROSS]
-    return all(saved.get(name) == settings[name] for name in kept)
+    defaults = {name: field.default for name, field in TrainSettings.__dataclass_fields__.items()}
+    return all(saved.get(name, defaults.get(name)) == settings[name] for name in kept)
+
+
+def started_head(folder: str, target: CausalLM, aux_layers: tuple[int, ...]) -> tuple[dict, torch.Tensor]:
+    """``--start-from``: a saved head's weights (float32) and the target ids of its draft vocabulary,
+    checked to be a head of this target's shape, to continue training where it stopped."""
+    config, ids, _ = read_config(Path(folder))
+    weights = {
+        name: tensor.float() if tensor.is_floating_point() else tensor
+        for name, tensor in read_weights(Path(folder)).items()
+    }
+    draft_ids = draft_target_ids(weights["d2t"])
+    expected = head_config(target, len(draft_ids), aux_layers)
+    shape = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+    differs = [key for key in shape if config.get(key) != expected[key]]
+    if (ids or aux_layers) != aux_layers or differs:
+        raise ConfigError(
+            f"start_from: {folder} is not a head of this target's shape (differs in {differs or 'aux layers'})"
+        )
+    return weights, draft_ids
 
 
 def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path, num_prompts: int) -> dict:
@@ -174,8 +205,11 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     state = torch.load(checkpoint, weights_only=False) if checkpoint.is_file() else None
     resumed = state is not None and _continues(state["settings"], asdict(settings)) and state["step"] <= total_steps
     same = resumed and state["settings"] == asdict(settings)
+    started_from = None
     if resumed:  # the checkpoint's vocabulary, whatever data was added
         draft_ids = draft_target_ids(state["head"]["d2t"])
+    elif settings.start_from:
+        started_from, draft_ids = started_head(settings.start_from, target, aux_layers)
     else:
         seen = [row for index, row in enumerate(rows) if index % num_prompts not in unseen]
         draft_ids = draft_vocabulary(seen, settings.draft_vocab, target.vocab_size)
@@ -185,6 +219,8 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     trainable = list(head.parameters())  # the target's embedding is read, not held: it is no parameter here
     optimiser = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, started, begun = 0, time.monotonic(), 0  # begun: the step this run's learning-rate schedule starts at
+    if started_from is not None:
+        head.load_state_dict(started_from)
     if resumed:
         head.load_state_dict(state["head"])
         optimiser.load_state_dict(state["optimiser"])
@@ -253,6 +289,19 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
     }
 
 
+def int8_target(target_ref: str | None, max_len: int) -> CausalLM:
+    """The target ``specserve serve --activations int8`` serves, built as the engine builds it: its
+    GGUF blocks multiplied with int8 activations (a ConfigError for a target that has none)."""
+    from ..config import EngineConfig
+    from ..factory import build_engine
+    from ..model.loader import load
+
+    config = EngineConfig(target=target_ref, drafter="none", activations="int8", max_model_len=max_len)
+    loaded = load(config, direct=True)
+    engine = build_engine(config, loaded.target, None, set(), None, loaded.target_file, loaded.target_blocks)
+    return engine.target
+
+
 def train_eagle3(target_ref: str | None, out: Path | None, settings: TrainSettings) -> dict:
     """The whole recipe: answers, features, vocabulary, training; resumable from ``out/work``."""
     from ..model.loader import EMBEDDED_NAME, load_model, load_tokenizer
@@ -264,11 +313,14 @@ def train_eagle3(target_ref: str | None, out: Path | None, settings: TrainSettin
     started = time.monotonic()
     tokenizer = load_tokenizer(target_ref)
     model = load_model(target_ref, device, torch.float32)
+    max_len = min(4096, getattr(model.config, "max_position_embeddings", 4096))
+    # the features' target: int8 first, so that one which cannot be is refused before any answer is written
+    features_from = int8_target(target_ref, max_len) if settings.activations == "int8" else None
     prompts = load_prompts(limit=settings.limit)
     prompts += own_prompts(model, tokenizer, settings, out / "work") if settings.own_prompts else []
     conversations = regenerate(model, tokenizer, prompts, settings, out / "work")
     generated = time.monotonic()
-    target = CausalLM(model, max_len=min(4096, getattr(model.config, "max_position_embeddings", 4096)))
+    target = features_from or CausalLM(model, max_len=max_len)
     rows = collect_features(target, conversations, default_aux_layers(len(target.layers)))
     report = train(target, rows, settings, out, len(prompts))
     report = {

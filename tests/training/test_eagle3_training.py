@@ -10,15 +10,17 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import Eagle3Training
+from engine.config import ConfigError, Eagle3Training, EngineConfig
 from engine.drafters.eagle3_head import default_aux_layers
+from engine.factory import load_engine
 from engine.model.model import CausalLM
 from engine.request import Request
 from engine.sampling import SamplingParams
-from engine.training.eagle3 import head_config, held_out_prompts, new_head, train_eagle3, unrolled_loss
+from engine.training.eagle3 import head_config, held_out_prompts, int8_target, new_head, train_eagle3, unrolled_loss
 from engine.training.eagle3_data import (
     collect_features,
     draft_vocabulary,
@@ -28,6 +30,7 @@ from engine.training.eagle3_data import (
     regenerate,
     windows,
 )
+from tests.model.test_from_gguf import needs_kernels, write_model
 from tests.test_lossless import greedy_reference
 from tests.tiny import byte_tokenizer, save_tiny, tiny_engine, tiny_llama
 
@@ -223,3 +226,46 @@ def test_the_command_shows_its_progress_bars_though_library_bars_are_off(tmp_pat
     assert result.returncode == 0, result.stderr[-2000:]
     for bar in ("eagle3: target answers", "eagle3: target features", "eagle3: training"):
         assert re.search(re.escape(bar) + r":\s+100%.*<00:00", result.stderr), f"no finished {bar!r} bar with an ETA"
+
+
+def test_a_head_continues_from_a_saved_one_in_its_vocabulary_and_only_from_one_of_its_targets_shape(tmp_path):
+    """``--start-from``: training begins at the saved head's weights and draft vocabulary (at a
+    learning rate too small to move them, what it writes is that head again); a head of another
+    target's shape is refused."""
+    model_dir = save_tiny(tmp_path / "target", seed=3, tokenizer=byte_tokenizer(), layers=6, init=0.2)
+    first = tmp_path / "first"
+    train_eagle3(str(model_dir), first, Eagle3Training(**SMALL))
+    saved = load_file(first / "model.safetensors")
+    # another vocabulary size and seed: what the continued run writes can only be the saved head's
+    continued = replace(Eagle3Training(**SMALL), start_from=str(first), lr=1e-12, draft_vocab=32, seed=7)
+    report = train_eagle3(str(model_dir), tmp_path / "continued", continued)
+    again = load_file(tmp_path / "continued" / "model.safetensors")
+    assert report["steps"] > 0 and set(again) == set(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(again[name], tensor), name
+    other_dir = save_tiny(tmp_path / "other", seed=3, tokenizer=byte_tokenizer(), layers=4, init=0.2)
+    with pytest.raises(ConfigError, match="not a head of this target's shape"):
+        train_eagle3(str(other_dir), tmp_path / "refused", replace(continued, start_from=str(first)))
+
+
+@needs_kernels
+def test_int8_features_come_from_the_target_that_int8_activations_serve(tmp_path):
+    """``--activations int8``: the features pass reads the GGUF target whose products take int8
+    activations (llama.cpp's arithmetic), as ``serve --activations int8`` builds it; a target
+    without GGUF blocks is refused before any answer is written."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path, "llama", hidden=64, heads=4, kv_heads=2, tied=True, tokenizer="smollm")
+    target = int8_target(str(path), 256)
+    assert "int8 activations in" in target.weights.blocks_line
+
+    def served(activations: str) -> CausalLM:
+        config = EngineConfig(target=str(path), drafter="none", activations=activations, max_model_len=256)
+        return load_engine(config, show_progress=False).engine.target
+
+    ids = list(range(3, 40))
+    hidden = target.read(ids)  # [N, E]
+    assert torch.equal(hidden, served("int8").read(ids)) and not torch.equal(hidden, served("float32").read(ids))
+    model_dir = save_tiny(tmp_path / "target", seed=3, tokenizer=byte_tokenizer(), layers=6, init=0.2)
+    with pytest.raises(ConfigError, match="activations int8"):
+        train_eagle3(str(model_dir), tmp_path / "head", replace(Eagle3Training(**SMALL), activations="int8"))
+    assert not (tmp_path / "head" / "work" / "answers.jsonl").exists()
