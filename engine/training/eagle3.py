@@ -320,7 +320,7 @@ def train_eagle3(target_ref: str | None, out: Path | None, settings: TrainSettin
     prompts += own_prompts(model, tokenizer, settings, out / "work") if settings.own_prompts else []
     conversations = regenerate(model, tokenizer, prompts, settings, out / "work")
     generated = time.monotonic()
-    target = features_from or CausalLM(model, max_len=max_len)
+    target = features_from if features_from is not None else CausalLM(model, max_len=max_len)
     rows = collect_features(target, conversations, default_aux_layers(len(target.layers)))
     report = train(target, rows, settings, out, len(prompts))
     report = {

@@ -269,3 +269,13 @@ def test_int8_features_come_from_the_target_that_int8_activations_serve(tmp_path
     with pytest.raises(ConfigError, match="activations int8"):
         train_eagle3(str(model_dir), tmp_path / "head", replace(Eagle3Training(**SMALL), activations="int8"))
     assert not (tmp_path / "head" / "work" / "answers.jsonl").exists()
+
+
+def test_the_commands_flags_read_the_new_settings_as_text():
+    from server.cli import _parser
+
+    args = vars(_parser().parse_args(["train-eagle3", "--activations", "int8", "--start-from", "some/head"]))
+    settings = Eagle3Training(**{name: args[name] for name in Eagle3Training.__dataclass_fields__})
+    assert settings.activations == "int8" and settings.start_from == "some/head" and settings.epochs == 12.0
+    with pytest.raises(ConfigError, match="activations must be float32 or int8"):
+        Eagle3Training(activations="int4")
