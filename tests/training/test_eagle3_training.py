@@ -8,7 +8,7 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -20,7 +20,15 @@ from engine.factory import load_engine
 from engine.model.model import CausalLM
 from engine.request import Request
 from engine.sampling import SamplingParams
-from engine.training.eagle3 import head_config, held_out_prompts, int8_target, new_head, train_eagle3, unrolled_loss
+from engine.training.eagle3 import (
+    _continues,
+    head_config,
+    held_out_prompts,
+    int8_target,
+    new_head,
+    train_eagle3,
+    unrolled_loss,
+)
 from engine.training.eagle3_data import (
     collect_features,
     draft_vocabulary,
@@ -279,3 +287,14 @@ def test_the_commands_flags_read_the_new_settings_as_text():
     assert settings.activations == "int8" and settings.start_from == "some/head" and settings.epochs == 12.0
     with pytest.raises(ConfigError, match="activations must be float32 or int8"):
         Eagle3Training(activations="int4")
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default_only():
+    """A ``work/checkpoint.pt`` saved before ``activations`` and ``start_from`` existed resumes under
+    their defaults, and only under them: float32 features it never saw as int8."""
+    settings = asdict(Eagle3Training(**SMALL))
+    older = {name: value for name, value in settings.items() if name not in ("activations", "start_from")}
+    assert _continues(older, settings)
+    assert not _continues(older, {**settings, "activations": "int8"})
+    assert not _continues(older, {**settings, "start_from": "some/head"})
+    assert _continues(settings, {**settings, "epochs": 4.0}) and not _continues(settings, {**settings, "lr": 2e-3})
