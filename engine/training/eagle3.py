@@ -31,15 +31,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError
 from ..config import Eagle3Training as TrainSettings
-from ..drafters.eagle3_head import (
-    Eagle3Head,
-    default_aux_layers,
-    draft_target_ids,
-    read_config,
-    read_weights,
-    save_head,
-    shipped_head,
-)
+from ..drafters.eagle3_head import Eagle3Head, default_aux_layers, draft_target_ids, load_head, save_head, shipped_head
 from ..model.kernels import rotate
 from ..model.model import CausalLM
 from .eagle3_data import (
@@ -169,21 +161,25 @@ def _continues(saved: dict, settings: dict) -> bool:
 
 def started_head(folder: str, target: CausalLM, aux_layers: tuple[int, ...]) -> tuple[dict, torch.Tensor]:
     """``--start-from``: a saved head's weights (float32) and the target ids of its draft vocabulary,
-    checked to be a head of this target's shape, to continue training where it stopped."""
-    config, ids, _ = read_config(Path(folder))
-    weights = {
-        name: tensor.float() if tensor.is_floating_point() else tensor
-        for name, tensor in read_weights(Path(folder)).items()
+    read and checked against the target as serving reads it (``load_head``), and of the shape this
+    training gives a head, to continue training where it stopped."""
+    head = load_head(folder, target, blocks=False)
+    expected = head_config(target, len(head.draft_to_target), aux_layers)
+    found = {
+        "num_attention_heads": head.num_heads,
+        "num_key_value_heads": head.num_kv_heads,
+        "head_dim": head.head_dim,
+        "intermediate_size": head.midlayer.mlp.gate_proj.out_features,
     }
-    draft_ids = draft_target_ids(weights["d2t"])
-    expected = head_config(target, len(draft_ids), aux_layers)
-    shape = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
-    differs = [key for key in shape if config.get(key) != expected[key]]
-    if (ids or aux_layers) != aux_layers or differs:
+    differs = [key for key, value in found.items() if value != expected[key]]
+    if head.aux_layers != aux_layers or differs:
         raise ConfigError(
             f"start_from: {folder} is not a head of this target's shape (differs in {differs or 'aux layers'})"
         )
-    return weights, draft_ids
+    weights = {
+        name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in head.state_dict().items()
+    }
+    return weights, head.draft_to_target
 
 
 def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path, num_prompts: int) -> dict:
@@ -290,16 +286,13 @@ def train(target: CausalLM, rows: list[dict], settings: TrainSettings, out: Path
 
 
 def int8_target(target_ref: str | None, max_len: int) -> CausalLM:
-    """The target ``specserve serve --activations int8`` serves, built as the engine builds it: its
+    """The target ``specserve serve --activations int8`` serves, loaded as the server loads it: its
     GGUF blocks multiplied with int8 activations (a ConfigError for a target that has none)."""
     from ..config import EngineConfig
-    from ..factory import build_engine
-    from ..model.loader import load
+    from ..factory import load_engine
 
     config = EngineConfig(target=target_ref, drafter="none", activations="int8", max_model_len=max_len)
-    loaded = load(config, direct=True)
-    engine = build_engine(config, loaded.target, None, set(), None, loaded.target_file, loaded.target_blocks)
-    return engine.target
+    return load_engine(config, show_progress=False).engine.target
 
 
 def train_eagle3(target_ref: str | None, out: Path | None, settings: TrainSettings) -> dict:
