@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import resource
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError
+from engine.cpu.memory import peak_resident_bytes, resident_bytes
 from engine.engine import SpecEngine
 from engine.factory import LoadedEngine
 from engine.request import EngineDescription
@@ -267,7 +267,7 @@ def startup_summary(
     engine: EngineDescription, name: str, settings: ServeSettings, tenancy: Tenancy, core: ServingCore
 ) -> str:
     """One line saying what runs where: models, device, dtype, drafter, k, memory, URL."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB (Linux reports kB)
+    peak, now = peak_resident_bytes() / 2**20, resident_bytes()
     drafter = engine.default_drafter or "none (target alone)"
     others = ", ".join(name for name in engine.runnable_drafters if name != engine.default_drafter) or "none"
     k = "adaptive, up to " if engine.adaptive_k else ""
@@ -279,7 +279,8 @@ def startup_summary(
         f"drafter {drafter}, k={k}{engine.num_draft_tokens} (per request also: {others}) | context {engine.max_model_len} | weights "
         f"{engine.weight_bytes / 2**20:,.0f} MB, KV caches {engine.cache_bytes / 2**20:,.0f} MB a slot, "
         f"{engine.max_num_seqs} slots (allocated on first use), prefix store up to "
-        f"{engine.prefix_store_bytes / 2**30:.1f} GB, peak RSS {rss:,.0f} MB"
+        f"{engine.prefix_store_bytes / 2**30:.1f} GB, peak RSS {peak:,.0f} MB"
+        + (f", RSS now {now / 2**20:,.0f} MB" if now is not None else "")
         + (f" | {engine.warm_up}" if engine.warm_up else "")
         + f" | {_request_defaults(core.defaults, core.system)}"
         + f" | {tenancy.describe()}"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from engine.cpu.memory import peak_resident_bytes
 from engine.stats import StepRecord
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -24,6 +25,11 @@ class Metrics:
     def __init__(self, queue_depth: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
+        self.peak_memory = Gauge(
+            "specserve_peak_resident_memory_bytes", "The most this process has held resident (VmHWM)", registry=r
+        )
+        self.peak_memory.set_function(peak_resident_bytes)
         self.requests = Counter("specserve_requests", "Finished requests", ["endpoint", "finish_reason"], registry=r)
         self.errors = Counter("specserve_request_errors", "Requests answered with an error", ["status"], registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens processed", registry=r)

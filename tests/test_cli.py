@@ -176,7 +176,16 @@ def test_json_logs_and_the_startup_summary(tiny_model_dirs, tmp_path):
     records = [json.loads(line) for line in server.log.read_text().splitlines() if line.startswith("{")]
     assert records and all({"time", "level", "logger", "message"} <= set(record) for record in records)
     summary = next(record["message"] for record in records if record["message"].startswith("ready:"))
-    for part in ("target on cpu", "float32", "drafter auto", "k=4", "KV caches", "peak RSS", "http://127.0.0.1:"):
+    for part in (
+        "target on cpu",
+        "float32",
+        "drafter auto",
+        "k=4",
+        "KV caches",
+        "peak RSS",
+        "RSS now",
+        "http://127.0.0.1:",
+    ):
         assert part in summary, summary
     assert any(record["logger"] == "uvicorn.access" for record in records)  # access lines share the format
 

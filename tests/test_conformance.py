@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -240,6 +242,7 @@ def test_metrics_expose_requests_tokens_latency_queue_and_speculation(server, cl
         "specserve_store_bytes",
         "specserve_store_hits",
         "specserve_store_restored_tokens",
+        "process_resident_memory_bytes",
     ):
         assert name in text, name
     values = {
@@ -251,6 +254,11 @@ def test_metrics_expose_requests_tokens_latency_queue_and_speculation(server, cl
     )
     assert values["specserve_generation_tokens_total"] >= 10
     assert values["specserve_slots_allocated"] >= 1 and values["specserve_slots_in_use"] == 0  # none running now
+    # the server's memory, in bytes, as the kernel counts it: now, and the most it held (VmHWM), which no later read lowers
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    peak_kb = int(re.search(r"VmHWM:\s+(\d+)", status).group(1))
+    assert values["process_resident_memory_bytes"] <= values["specserve_peak_resident_memory_bytes"] <= peak_kb * 1024
+    assert values["specserve_peak_resident_memory_bytes"] > 0.9 * peak_kb * 1024
 
 
 def test_async_sdk_streaming_and_not(server):

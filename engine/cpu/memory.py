@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
+import resource
 import sys
+from pathlib import Path
 
 
 def release_freed_memory() -> None:
@@ -27,3 +30,18 @@ def return_free_pages() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (VmRSS, from /proc/self/statm); None where there is no /proc."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])  # size, resident, ... in pages
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    """The most this process has held resident (VmHWM; Linux reports ru_maxrss in kB, macOS in bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
