@@ -71,6 +71,28 @@ def pooled_rate(runs: list, tokens: Callable, seconds: Callable) -> float:
     return total_tokens / total_seconds if total_seconds > 0 else 0.0
 
 
+def repeat_rates(runs: list) -> list[float]:
+    """A type's decode tokens/s within each repeat: repeat i's run of every prompt (and turn), summed.
+    The configurations take turns request by request, so repeat i of two configurations ran side by
+    side, and their ratio repeat by repeat shows how far the host's drift moves it."""
+    by_position: dict[tuple, list] = {}
+    for run in runs:  # in the order they ran: repeat i is each position's i-th
+        by_position.setdefault(run.position, []).append(run)
+    rates = []
+    for repeat in range(min(len(group) for group in by_position.values())):
+        ran = [group[repeat] for group in by_position.values() if group[repeat].decoded_tokens]
+        seconds = sum(run.decode_seconds for run in ran)
+        rates.append(round(sum(run.decoded_tokens for run in ran) / seconds, 2) if seconds > 0 else 0.0)
+    return rates
+
+
+def _spread(metrics: dict, label: str, over: str) -> list[float] | None:
+    """[least, most] of label's rate over ``over``'s, repeat by repeat; None with fewer than two repeats."""
+    pairs = zip(metrics[label]["repeat_decode_tokens_per_s"], metrics[over]["repeat_decode_tokens_per_s"], strict=False)
+    ratios = [mine / theirs for mine, theirs in pairs if theirs > 0]
+    return [round(min(ratios), 3), round(max(ratios), 3)] if len(ratios) > 1 else None
+
+
 def _metrics(runs: list, reference: list | None, bound_s: float) -> dict:
     gaps = [gap for run in runs for gap in run.inter_token_s]
     fractions = [
@@ -88,6 +110,7 @@ def _metrics(runs: list, reference: list | None, bound_s: float) -> dict:
             ),
             2,
         ),
+        "repeat_decode_tokens_per_s": repeat_rates(runs),
         "ttft_ms": round(statistics.median(run.ttft_s for run in runs) * 1e3, 1),
         "first_arrival_tokens": statistics.median(run.first_arrival for run in runs),
         "request_tokens_per_s": round(
@@ -150,6 +173,7 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
             "default_vs_target_only": round(default / own, 3),
             "best_vs_target_only": round(_speed(metrics, best) / own, 3),
             "default_greedy_identical": metrics[DEFAULT]["greedy_identical"],
+            "default_vs_target_only_by_repeat": _spread(metrics, DEFAULT, TARGET_ONLY),
         }
         if hf:  # a sampled type ("chat@0.8") has no transformers rows
             best_hf = max(hf, key=lambda label: _speed(metrics, label))
@@ -160,6 +184,7 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         if singles:
             entry["best_single"] = max(singles, key=lambda label: _speed(metrics, label))
             entry["default_vs_best_single"] = round(default / _speed(metrics, entry["best_single"]), 3)
+            entry["default_vs_best_single_by_repeat"] = _spread(metrics, DEFAULT, entry["best_single"])
         if LLAMA_CPP in metrics:
             entry["default_vs_llama_cpp"] = round(default / _speed(metrics, LLAMA_CPP), 3)
             entry["target_only_vs_llama_cpp"] = round(own / _speed(metrics, LLAMA_CPP), 3)
@@ -311,11 +336,19 @@ def summary(report: dict, full_tables: str) -> str:
         if has_llama:
             cells.append(f"{_speed(metrics, LLAMA_CPP):.1f}" if LLAMA_CPP in metrics else "-")
         cells += [f"{_speed(metrics, TARGET_ONLY):.1f}", f"{_speed(metrics, DEFAULT):.1f}"]
-        cells += [f"{_speed(metrics, t['best']):.1f} ({t['best'][6:]})", f"{t['default_vs_target_only']:.2f}x"]
+        cells.append(f"{_speed(metrics, t['best']):.1f} ({t['best'][6:]})")
+        cells.append(f"{t['default_vs_target_only']:.2f}x{_range(t.get('default_vs_target_only_by_repeat'))}")
         cells.append(_times(t.get("default_vs_best_hf")))
         single = t.get("default_vs_best_single")
-        cells.append("-" if single is None else f"{single:.2f}x ({t['best_single'][6:]})")
+        spread = _range(t.get("default_vs_best_single_by_repeat"))
+        cells.append("-" if single is None else f"{single:.2f}x{spread} ({t['best_single'][6:]})")
         lines.append("| " + " | ".join(cells) + " |")
+    if any("default_vs_target_only_by_repeat" in t and t["default_vs_target_only_by_repeat"] for t in targets.values()):
+        lines += [
+            "",
+            "In brackets: the least and the most of that ratio within one repeat (each prompt of the type once, the "
+            "configurations taking turns request by request): how far the host's drift moves it in this run.",
+        ]
     if "all" in targets:
         lines += [
             "",
@@ -349,6 +382,10 @@ def summary(report: dict, full_tables: str) -> str:
         lines += ["", f"serve:{name}: not measured; the server refused it ({why})."]
     lines += ["", f"Every configuration, latency, acceptance and memory: [{full_tables}]({full_tables})."]
     return "\n".join(lines)
+
+
+def _range(spread: list[float] | None) -> str:
+    return "" if not spread else f" ({spread[0]:.2f}-{spread[1]:.2f})"
 
 
 def _times(ratio: float | None) -> str:

@@ -176,6 +176,31 @@ def test_a_types_rate_sums_each_prompts_median_over_its_repeats():
     assert report["results"]["code"]["serve:none"]["decode_tokens_per_s"] == round(20 / 1.1, 2)
 
 
+def test_the_ratios_spread_over_repeats_pairs_each_repeats_runs():
+    """Three repeats of two prompts, the configurations taking turns: repeat i of one against repeat i
+    of another. The default runs 1.25x, 1.0x and 1.6x target-only repeat by repeat (the host slowed the
+    second for it, the third for target-only); its pooled ratio lies inside that spread."""
+    seconds = {"serve:none": (0.5, 0.5, 0.8), "serve:default": (0.4, 0.5, 0.5), "serve:suffix": (0.4, 0.4, 0.4)}
+    runs = {label: [] for label in seconds}
+    for repeat in range(3):
+        for index in range(2):
+            for label, by_repeat in seconds.items():
+                run = _run(11, by_repeat[repeat], "same", forwards=10)
+                run.position = (index, 0)
+                runs[label].append(run)
+    report = summarise([], {"chat": runs}, bound_s=0.01)
+    assert report["results"]["chat"]["serve:none"]["repeat_decode_tokens_per_s"] == [20.0, 20.0, 12.5]
+    target = report["targets"]["chat"]
+    assert target["default_vs_target_only_by_repeat"] == [1.0, 1.6]
+    assert target["default_vs_best_single_by_repeat"] == [0.8, 1.0] and target["best_single"] == "serve:suffix"
+    assert target["default_vs_target_only_by_repeat"][0] <= target["default_vs_target_only"] <= 1.6
+    short = summary(report_file(report), "x.md")
+    assert "| 1.00x (1.00-1.60) | - | 0.80x (0.80-1.00) (suffix) |" in short and "In brackets: the least" in short
+    one = summarise([], {"chat": {label: group[:2] for label, group in runs.items()}}, bound_s=0.01)
+    assert one["targets"]["chat"]["default_vs_target_only_by_repeat"] is None  # one repeat: no spread
+    assert "In brackets" not in summary(report_file(one), "x.md")
+
+
 def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
     runs = {
         kind: {
