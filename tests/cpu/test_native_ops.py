@@ -94,6 +94,30 @@ def test_the_decode_attention_agrees_with_a_float64_softmax(isa, rows, window, d
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dim", [16, 64, 128])  # at AVX-512, one, four and eight chunks: the widths unrolled or not
+def test_a_keys_score_is_the_same_bits_in_a_block_of_keys_and_alone(isa, dim):
+    """The kernel scores keys a vector's width at a time (their lane sums taken together) and the
+    last few of a window one by one. Two keys X and Y, seen at positions 0 and 32 of a window of 33
+    (X in the first block, the rest of it and of the second masked; Y alone at the end) and at
+    positions 0 and 1 of a window of 2 (both one by one), weigh the same values in the same order:
+    the outputs are equal bit for bit only if a key's score is the same either way."""
+    torch.manual_seed(dim)
+    x_key, y_key, x_value, y_value = torch.randn(4, dim) * 2
+    query = torch.randn(1, 3, 5, dim)  # [1, H_kv, Q, D]
+    keys, values = torch.randn(1, 3, 33, dim), torch.randn(1, 3, 33, dim)
+    keys[..., 0, :], keys[..., 32, :], values[..., 0, :], values[..., 32, :] = x_key, y_key, x_value, y_value
+    mask = torch.zeros(5, 33, dtype=torch.bool)
+    mask[:, [0, 32]] = True
+    spread = OPS.decode_attention(query, keys, values, mask, dim**-0.5, isa)
+    pair_keys, pair_values = torch.stack([x_key, y_key]).expand(1, 3, 2, dim), torch.stack([x_value, y_value])
+    together = OPS.decode_attention(query, pair_keys.contiguous(), pair_values.expand(1, 3, 2, dim).contiguous(), None,
+                                    dim**-0.5, isa)  # fmt: skip
+    assert torch.equal(spread, together)
+    unmasked = torch.ones(5, 33, dtype=torch.bool)  # every key seen: no block skipped or set aside
+    assert not torch.equal(OPS.decode_attention(query, keys, values, unmasked, dim**-0.5, isa), spread)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_masked_positions_take_no_part_and_a_row_that_sees_nothing_is_zero(isa):
     torch.manual_seed(2)
     keys, values, query = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64), torch.randn(1, 2, 3, 64)

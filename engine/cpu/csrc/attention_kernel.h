@@ -1,8 +1,9 @@
 // Attention of a few query rows over a window of the KV cache, in float32: decode and verify.
 // Included by blocks_kernel.h, so it is compiled once per instruction set like the products, with
 // the same vector type (vf, kLanes float32 lanes). Each (KV head, query row) is one task: scores
-// q.k * scale over the window (masked positions skipped), a softmax taken from the row's maximum,
-// and the probabilities times the values, summed in float32 in order of position. The exponentials
+// q.k * scale over the window, kLanes keys at a time (masked positions skipped or set aside), a
+// softmax taken from the row's maximum, and the probabilities times the values, summed in float32
+// in order of position. The exponentials
 // are taken kLanes at a time (exp_lanes: within 2 ulp of the exact value, as torch's own vectorised
 // exp is within 1).
 #include <cmath>
@@ -36,11 +37,80 @@ static inline vf exp_lanes(vf x) {
   return masked != 0.0f ? vf{} : result;
 }
 
-void attend(const float* q, int64_t q_head_stride, int64_t q_row_stride, const float* k, const float* v,
-            int64_t kv_head_stride, int64_t kv_row_stride, const bool* mask, int64_t mask_row_stride,
-            int64_t num_queries, int64_t window, int64_t dim, float scale, int64_t begin, int64_t end, float* out,
-            int64_t tokens, int64_t token_stride, float* scores) {
-  const int64_t chunks = dim / kLanes;
+// The lane sums of kLanes vectors at once: lane j of the result is lanes_sum(v[j]), the same tree
+// of additions (so the same bits), where each shuffle and addition serves two vectors' trees: at each
+// level pairs of vectors fold into one holding both halves' partial sums. v is overwritten.
+static inline vf lanes_sums(vf* v) {
+#if BLOCKS_LANES == 16
+  for (int j = 0; j < 8; ++j)  // lanes i and i + 8 of each: 8 partial sums a vector, two vectors in one
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)  // then i and i + 4 of those eight: four vectors' in one
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif BLOCKS_LANES == 8
+  for (int j = 0; j < 4; ++j)
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int j = 0; j < 2; ++j)
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  for (int j = 0; j < 2; ++j)
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 4, 5) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 2, 3, 6, 7);
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6) + __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7);
+#endif
+}
+
+// How many of kLanes keys a mask row lets a query see (bools are bytes 0 or 1: a popcount of 8 at a time)
+static inline int seen_of(const bool* allowed) {
+  int seen = 0;
+  if constexpr (kLanes % 8 == 0) {
+    for (int j = 0; j < kLanes; j += 8) {
+      uint64_t bytes;
+      std::memcpy(&bytes, allowed + j, 8);
+      seen += __builtin_popcountll(bytes);
+    }
+  } else {
+    for (int j = 0; j < kLanes; ++j) seen += allowed[j];
+  }
+  return seen;
+}
+
+// q.k of a query row (chunks of kLanes) and a key, its chunks' products added in order, each fused
+// with the addition it joins: the first product is rounded on its own (the barrier keeps the
+// compiler from fusing it into the second's addition once C unrolls the loop), so a dot is the same
+// bits whether C is the chunk count or 0 (any, read from chunks).
+template <int C>
+static inline vf key_dot(const vf* query_chunks, const float* key, int64_t chunks) {
+  vf dot = query_chunks[0] * load<vf>(key);
+#if BLOCKS_X86
+  asm("" : "+v"(dot));
+#endif
+  for (int64_t c = 1; c < (C > 0 ? C : chunks); ++c) dot += query_chunks[c] * load<vf>(key + c * kLanes);
+  return dot;
+}
+
+// Rows [begin, end) of (KV head, query row), each alone: scores over the window kLanes keys at a time
+// (their lane sums together: lanes_sums; a block the row sees none of skipped, masked keys in one it
+// sees part of scored, then set aside), a softmax from their maximum, the weighted values summed in
+// order of position. C: the head's chunks of kLanes, a constant the loops unroll by (0: any, read
+// from dim); the same bits either way.
+template <int C>
+static void attend_rows(const float* q, int64_t q_head_stride, int64_t q_row_stride, const float* k, const float* v,
+                        int64_t kv_head_stride, int64_t kv_row_stride, const bool* mask, int64_t mask_row_stride,
+                        int64_t num_queries, int64_t window, int64_t dim, float scale, int64_t begin, int64_t end,
+                        float* out, int64_t tokens, int64_t token_stride, float* scores) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  const int64_t chunks = C > 0 ? C : dim / kLanes;
   for (int64_t index = begin; index < end; ++index) {
     const int64_t head = index / num_queries, row = index % num_queries;
     const float* query = q + head * q_head_stride + row * q_row_stride;
@@ -48,33 +118,52 @@ void attend(const float* q, int64_t q_head_stride, int64_t q_row_stride, const f
     const bool* allowed = mask != nullptr ? mask + row * mask_row_stride : nullptr;
     vf query_chunks[kMostChunks];
     for (int64_t c = 0; c < chunks; ++c) query_chunks[c] = load<vf>(query + c * kLanes);
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t w = 0; w < window; ++w) {
-      if (allowed != nullptr && !allowed[w]) {
-        scores[w] = -std::numeric_limits<float>::infinity();
+    float best = kNone;
+    vf best_lanes = vf{} + kNone;  // the blocks seen whole: their maximum lane by lane
+    int64_t w = 0;
+    for (; w + kLanes <= window; w += kLanes) {
+      const int seen = allowed != nullptr ? seen_of(allowed + w) : kLanes;
+      if (seen == 0) {
+        for (int j = 0; j < kLanes; ++j) scores[w + j] = kNone;
         continue;
       }
-      const float* key = keys + w * kv_row_stride;
-      vf dot = query_chunks[0] * load<vf>(key);
-      for (int64_t c = 1; c < chunks; ++c) dot += query_chunks[c] * load<vf>(key + c * kLanes);
-      scores[w] = lanes_sum(dot) * scale;
+      vf dots[kLanes];
+      for (int j = 0; j < kLanes; ++j) dots[j] = key_dot<C>(query_chunks, keys + (w + j) * kv_row_stride, chunks);
+      const vf block = lanes_sums(dots) * scale;
+      if (seen == kLanes) {
+        std::memcpy(scores + w, &block, sizeof block);
+        best_lanes = block > best_lanes ? block : best_lanes;
+        continue;
+      }
+      for (int j = 0; j < kLanes; ++j) {
+        scores[w + j] = allowed[w + j] ? block[j] : kNone;
+        best = allowed[w + j] && block[j] > best ? block[j] : best;
+      }
+    }
+    for (; w < window; ++w) {  // the last few keys one at a time
+      if (allowed != nullptr && !allowed[w]) {
+        scores[w] = kNone;
+        continue;
+      }
+      scores[w] = lanes_sum(key_dot<C>(query_chunks, keys + w * kv_row_stride, chunks)) * scale;
       best = scores[w] > best ? scores[w] : best;
     }
+    for (int j = 0; j < kLanes; ++j) best = best_lanes[j] > best ? best_lanes[j] : best;  // a maximum, in any order
     // row r of KV head h is query head h * G + r / tokens at token r % tokens (G = num_queries / tokens)
     float* dest = out + (row % tokens) * token_stride + (head * (num_queries / tokens) + row / tokens) * dim;
-    if (best == -std::numeric_limits<float>::infinity()) {  // a row that sees nothing: zeros
+    if (best == kNone) {  // a row that sees nothing: zeros
       std::memset(dest, 0, sizeof(float) * dim);
       continue;
     }
     const int64_t padded = (window + kLanes - 1) / kLanes * kLanes;
-    for (int64_t w = window; w < padded; ++w) scores[w] = -std::numeric_limits<float>::infinity();
-    for (int64_t w = 0; w < padded; w += kLanes) {
+    for (w = window; w < padded; ++w) scores[w] = kNone;
+    for (w = 0; w < padded; w += kLanes) {
       const vf weights = exp_lanes(load<vf>(scores + w) - best);
       std::memcpy(scores + w, &weights, sizeof weights);
     }
     vf sums[kMostChunks] = {};
     float total = 0.0f;
-    for (int64_t w = 0; w < window; ++w) {
+    for (w = 0; w < window; ++w) {
       const float weight = scores[w];
       if (weight == 0.0f) continue;  // masked, or too small to count
       total += weight;
@@ -87,6 +176,19 @@ void attend(const float* q, int64_t q_head_stride, int64_t q_row_stride, const f
       std::memcpy(dest + c * kLanes, &result, sizeof result);
     }
   }
+}
+
+void attend(const float* q, int64_t q_head_stride, int64_t q_row_stride, const float* k, const float* v,
+            int64_t kv_head_stride, int64_t kv_row_stride, const bool* mask, int64_t mask_row_stride,
+            int64_t num_queries, int64_t window, int64_t dim, float scale, int64_t begin, int64_t end, float* out,
+            int64_t tokens, int64_t token_stride, float* scores) {
+  auto rows = attend_rows<0>;
+#if BLOCKS_X86
+  if (dim == 4 * kLanes) rows = attend_rows<4>;  // the common heads (64 wide at AVX-512, 32 at AVX2)
+  if (dim == 8 * kLanes) rows = attend_rows<8>;
+#endif
+  rows(q, q_head_stride, q_row_stride, k, v, kv_head_stride, kv_row_stride, mask, mask_row_stride, num_queries, window,
+       dim, scale, begin, end, out, tokens, token_stride, scores);
 }
 
 }  // namespace BLOCKS_NS
