@@ -347,7 +347,9 @@ def summary(report: dict, full_tables: str) -> str:
         lines += [
             "",
             "In brackets: the least and the most of that ratio within one repeat (each prompt of the type once, the "
-            "configurations taking turns request by request): how far the host's drift moves it in this run.",
+            "configurations taking turns request by request): how far the host's drift moves it in this run. The "
+            "figure before them takes each prompt's median repeat, which for two prompts may be two different "
+            "repeats, so it can fall just outside them.",
         ]
     if "all" in targets:
         lines += [
