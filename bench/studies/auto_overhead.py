@@ -7,7 +7,9 @@ its passage's wording, greedy and at temperature 0.8 (seeded, a new seed each ro
 Reports decode tokens/s (after the first arrival: ``Run.decode_tokens_per_s``) by configuration, each over target-only,
 auto's steps by drafter, and what auto itself spends a step (``OwnTime``): asking the text
 matchers for their offers (which ``suffix`` alone pays too), choosing, and its bookkeeping after
-the verify (its candidates' own ``accept`` left out).
+the verify (its candidates' own ``accept`` left out); and per case its steps' wall time
+(``StepTimes``): target-only's mean step, and ``auto``'s by who drafted, with what they came to
+over the same tokens at target-only's step (``step_costs``).
 
     .venv/bin/python bench/studies/auto_overhead.py [--draft copy:int8] [--rounds 2] [--prompts bench [--one-scope]]
 
@@ -86,6 +88,52 @@ class OwnTime:
         return {part: round(1e3 * seconds / max(self.steps, 1), 3) for part, seconds in self.seconds.items()}
 
 
+class StepTimes:
+    """Every step's wall time (its drafting and its verify) by configuration, a request's first step
+    (which reads the prompt) left out, by wrapping the engine's ``step``: where ``auto`` loses time
+    against target-only, its plain steps' own cost apart from its drafting steps'."""
+
+    def __init__(self, engine) -> None:
+        self.records: list = []
+        self.by_config: dict[str, list] = {}
+        step = engine.step
+
+        def recorded(seq, num_draft_tokens):
+            result = step(seq, num_draft_tokens)
+            self.records.append(result.record)
+            return result
+
+        engine.step = recorded
+
+    def keep(self, config: str) -> None:
+        """The steps of the request just run, under ``config``."""
+        self.by_config.setdefault(config, []).extend(self.records[1:])
+        self.records = []
+
+    def losses(self, plain: str = "none", auto: str = "auto") -> dict:
+        """Mean ms of target-only's steps and of ``auto``'s by who drafted, and what ``auto``'s time
+        came to over its tokens at target-only's step: its plain steps' extra, and its drafting steps'."""
+        plain_steps = self.by_config.get(plain, [])
+        if not plain_steps:
+            return {}
+        per_step = statistics.mean(r.draft_seconds + r.verify_seconds for r in plain_steps)
+        by: dict[str, list] = {}
+        for record in self.by_config.get(auto, []):
+            by.setdefault(record.drafter if record.num_drafted else "none", []).append(record)
+        out = {"target_only_step_ms": round(1e3 * per_step, 3)}
+        for name, records in by.items():
+            seconds = sum(r.draft_seconds + r.verify_seconds for r in records)
+            tokens = sum(r.num_emitted for r in records)
+            out[name] = {
+                "steps": len(records),
+                "drafted": sum(r.num_drafted for r in records),
+                "accepted": sum(r.num_accepted for r in records),
+                "step_ms": round(1e3 * seconds / len(records), 3),
+                "ms_over_target_only": round(1e3 * (seconds - tokens * per_step), 1),
+            }
+        return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", default="copy:auto")
@@ -103,6 +151,7 @@ def main() -> None:
     drafters = ["none", "suffix", "eagle3", *(["model"] if engine.draft is not None else []), "auto"]
     runner = EngineRunner(engine)
     own = OwnTime(engine.drafter("auto"))
+    times = StepTimes(engine)
     rates: dict[str, dict[str, list[float]]] = {}
     steps: dict[str, dict[str, int]] = {}
     for round_index in range(args.rounds):
@@ -114,6 +163,7 @@ def main() -> None:
                 for drafter in drafters:  # taking turns, request by request
                     scope = f"{drafter}{round_index}" if args.one_scope else f"{index}{case}{drafter}{round_index}"
                     run = runner.run(drafter, False, prompt, args.max_tokens, scope, sampling)
+                    times.keep(f"{case} {drafter}")
                     rates.setdefault(case, {}).setdefault(drafter, []).append(run.decode_tokens_per_s)
                     if drafter == "auto":
                         for name, count in run.steps_by_drafter.items():
@@ -134,6 +184,7 @@ def main() -> None:
             "auto_over_best_single": round(auto / singles[best], 3),
             "best_single": best,
             "auto_steps": steps.get(case, {}),
+            "step_costs": times.losses(f"{case} none", f"{case} auto"),
         }
     path = RESULTS / "auto_overhead.json"
     report = json.loads(path.read_text()) if path.exists() else {}
