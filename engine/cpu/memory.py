@@ -42,6 +42,12 @@ def resident_bytes() -> int | None:
 
 
 def peak_resident_bytes() -> int:
-    """The most this process has held resident (VmHWM; Linux reports ru_maxrss in kB, macOS in bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """The most this process has held resident: its memory's high-water mark (VmHWM, Linux), else
+    ru_maxrss. Not ru_maxrss on Linux: it keeps the high-water mark of the image the process replaced
+    at exec, a forked copy of its parent, so a server a 2 GB process started said 2 GB."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:", 1)[1].split()[0]) * 1024  # "VmHWM:   474476 kB"
+    except (OSError, IndexError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux kB
