@@ -343,7 +343,7 @@ def summary(report: dict, full_tables: str) -> str:
         spread = _range(t.get("default_vs_best_single_by_repeat"))
         cells.append("-" if single is None else f"{single:.2f}x{spread} ({t['best_single'][6:]})")
         lines.append("| " + " | ".join(cells) + " |")
-    if any("default_vs_target_only_by_repeat" in t and t["default_vs_target_only_by_repeat"] for t in targets.values()):
+    if any(t.get("default_vs_target_only_by_repeat") for t in targets.values()):
         lines += [
             "",
             "In brackets: the least and the most of that ratio within one repeat (each prompt of the type once, the "

@@ -3,9 +3,8 @@
 // the same vector type (vf, kLanes float32 lanes). Each (KV head, query row) is one task: scores
 // q.k * scale over the window, kLanes keys at a time (masked positions skipped or set aside), a
 // softmax taken from the row's maximum, and the probabilities times the values, summed in float32
-// in order of position. The exponentials
-// are taken kLanes at a time (exp_lanes: within 2 ulp of the exact value, as torch's own vectorised
-// exp is within 1).
+// in order of position. The exponentials are taken kLanes at a time (exp_lanes: within 2 ulp of
+// the exact value, as torch's own vectorised exp is within 1).
 #include <cmath>
 #include <limits>
 
