@@ -410,9 +410,27 @@ def test_a_disturbed_start_up_reading_of_a_plain_step_is_priced_below_a_verify_o
     auto.verify = StepCosts()
     auto.verify.expect(verify=prices)
     assert auto._choose([1, 2, 3], 4, offer(1, 1)) == (None, 0)
-    auto.verify = StepCosts()
-    auto.verify.expect(verify=dict(enumerate(disturbed)))  # the reading as it was: the weak match looks free
-    assert auto._choose([1, 2, 3], 4, offer(1, 1)) == ("suffix", 1)
+    raw = StepCosts()
+    raw.expect(verify=dict(enumerate(disturbed)))  # the reading as it was is priced by the same bound
+    assert raw.verify_cost(0) == pytest.approx(0.0096)
+
+
+def test_one_slow_plain_step_cannot_price_plain_decoding_above_a_verify_of_one_draft():
+    """A fresh process's first sampled step ran 6.9 ms where a plain step takes 4.4 and a verify of
+    one draft 5.0. It replaced start-up's reading; plain decoding then looked dearer than drafting one
+    token, every later step drafted (the head 42-54 of about 70 steps at 0.8, with an acceptance near
+    0.3), and no plain step came to correct the price. Priced at most a verify of one draft less a
+    row, a weak one-token draft goes to plain decoding, whose steps then bring the average down."""
+    costs = StepCosts()
+    costs.expect(verify={0: 0.0044, 1: 0.0050, 2: 0.0055, 3: 0.0060, 4: 0.0065})
+    costs.observe(0, 0.0, 0.0069)  # the first plain step, cold
+    assert costs.plain == 0.0069 and costs.verify_cost(0) == pytest.approx(0.0045)  # 5.0 less a 0.5 ms row
+    auto = priced_auto({0: 1.0}, 0.0013, {"suffix@1": 0.1, "model": 0.1, "staged": 0.1})
+    auto.verify = costs
+    assert auto._choose([1, 2, 3], 4, offer(1, 1)) == (None, 0)
+    for _ in range(60):
+        costs.observe(0, 0.0, 0.0044)
+    assert costs.verify_cost(0) == pytest.approx(0.0044, abs=0.0001)  # plain steps themselves, below the bound
 
 
 def test_start_up_times_every_k_after_a_chat_turns_context():
