@@ -57,15 +57,21 @@ def _steps(metrics: dict) -> str:
     return ", ".join(f"{name} {steps}" for name, steps in counts.items()) or "-"
 
 
+def _by_position(runs: list) -> dict[tuple, list]:
+    """Runs by the (prompt, turn) of their type they ran, each position's in the order they ran."""
+    by_position: dict[tuple, list] = {}
+    for run in runs:
+        by_position.setdefault(run.position, []).append(run)
+    return by_position
+
+
 def pooled_rate(runs: list, tokens: Callable, seconds: Callable) -> float:
     """A type's tokens per second over its prompts: each prompt's (and turn's) median tokens and
     seconds over its repeats, summed. A median of the runs' own rates mixed the prompts: with two
     of them, one twice as fast as the other, it fell between the slower's best repeat and the
     faster's worst, and moved by 10% where every run moved by 1% (code: the default 0.87x `suffix`
     in that median, 0.98x in sums of the same requests in process)."""
-    by_position: dict[tuple, list] = {}
-    for run in runs:
-        by_position.setdefault(run.position, []).append(run)
+    by_position = _by_position(runs)
     total_seconds = sum(statistics.median(seconds(run) for run in group) for group in by_position.values())
     total_tokens = sum(statistics.median(tokens(run) for run in group) for group in by_position.values())
     return total_tokens / total_seconds if total_seconds > 0 else 0.0
@@ -75,9 +81,7 @@ def repeat_rates(runs: list) -> list[float]:
     """A type's decode tokens/s within each repeat: repeat i's run of every prompt (and turn), summed.
     The configurations take turns request by request, so repeat i of two configurations ran side by
     side, and their ratio repeat by repeat shows how far the host's drift moves it."""
-    by_position: dict[tuple, list] = {}
-    for run in runs:  # in the order they ran: repeat i is each position's i-th
-        by_position.setdefault(run.position, []).append(run)
+    by_position = _by_position(runs)  # in the order they ran: repeat i is each position's i-th
     rates = []
     for repeat in range(min(len(group) for group in by_position.values())):
         ran = [group[repeat] for group in by_position.values() if group[repeat].decoded_tokens]
