@@ -123,8 +123,7 @@ class StepCosts:
             plain = self.verify[0] if self.plain is None else self.plain
             if len(self.verify) == 1:  # no drafts to price it against
                 return plain
-            # a plain step does less than a verify of one draft, whose first row costs at least each further one
-            return min(plain, max(self.verify_cost(1) - self._slope(), min(self.verify.values()) / 2))
+            return plain_price(plain, self.verify_cost(1), self._slope(), min(self.verify.values()))
         return max(self._line(nearest) + (self.shift or 0.0), 1e-9)
 
     def tokens_per_second(self, alpha: float, k: int) -> float:
@@ -167,6 +166,14 @@ class AdaptiveK:
             return
         self.steps_since_draft = 0
         self.alpha = min(0.99, _update(self.alpha, observed_acceptance(num_accepted, k)))
+
+
+def plain_price(plain: float, one_draft: float, row: float, cheapest: float) -> float:
+    """A plain step's price from a reading of it: at most a verify of one draft less a row (a plain step
+    does less than that verify, whose first row costs at least each further one, so a reading above
+    it was disturbed), never below half the cheapest price (nothing is free). Start-up's reading
+    (``measure.verify_prices``) and the live average (``StepCosts.verify_cost``) alike."""
+    return min(plain, max(one_draft - row, cheapest / 2))
 
 
 def _update(average: float | None, value: float) -> float:

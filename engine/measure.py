@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .adaptive import expected_tokens
+from .adaptive import expected_tokens, plain_price
 from .cpu.int8_blocks import held_activations
 from .cpu.matmul import thread_clock, thread_share, weight_key
 from .cpu.memory import release_freed_memory
@@ -295,7 +295,7 @@ def verify_prices(timed: list[float]) -> dict[int, float]:
     if not line:
         return {0: timed[0]}  # no drafts: a plain step alone
     row = line[1] - line[0] if len(line) > 1 else 0.0
-    return {0: min(timed[0], max(line[0] - row, min(timed) / 2))} | dict(enumerate(line, start=1))
+    return {0: plain_price(timed[0], line[0], row, min(timed))} | dict(enumerate(line, start=1))
 
 
 def fitted_line(values: list[float]) -> list[float]:
