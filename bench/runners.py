@@ -18,6 +18,7 @@ import httpx
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from engine.cpu.memory import high_water_bytes
 from engine.engine import SpecEngine
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -102,14 +103,8 @@ class PeakRSS:
             pass  # not Linux, or not allowed: the figure is then the process's lifetime peak
 
     def read_mb(self) -> float | None:
-        try:
-            status = Path(f"/proc/{self.pid}/status").read_text()
-        except OSError:
-            return None
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return None
+        peak = high_water_bytes(self.pid)
+        return None if peak is None else peak / 2**20
 
 
 class _Arrivals(BaseStreamer):

@@ -41,13 +41,22 @@ def resident_bytes() -> int | None:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def peak_resident_bytes() -> int:
-    """The most this process has held resident: its memory's high-water mark (VmHWM, Linux), else
-    ru_maxrss. Not ru_maxrss on Linux: it keeps the high-water mark of the image the process replaced
-    at exec, a forked copy of its parent, so a server a 2 GB process started said 2 GB."""
+def high_water_bytes(pid: int | str = "self") -> int | None:
+    """The most a process has held resident since it began, or since its clear_refs was last reset:
+    its memory's high-water mark (VmHWM in /proc/PID/status); None where there is none to read."""
     try:
-        status = Path("/proc/self/status").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
         return int(status.split("VmHWM:", 1)[1].split()[0]) * 1024  # "VmHWM:   474476 kB"
     except (OSError, IndexError, ValueError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux kB
+        return None
+
+
+def peak_resident_bytes() -> int:
+    """The most this process has held resident: its memory's high-water mark (Linux), else ru_maxrss.
+    Not ru_maxrss on Linux: it keeps the high-water mark of the image the process replaced at exec, a
+    forked copy of its parent, so a server a 2 GB process started said 2 GB."""
+    peak = high_water_bytes()
+    if peak is not None:
+        return peak
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux kB
