@@ -12,6 +12,14 @@ the verify (its candidates' own ``accept`` left out); and per case its steps' wa
 over the same tokens at target-only's step (``step_costs``).
 
     .venv/bin/python bench/studies/auto_overhead.py [--draft copy:int8] [--rounds 2] [--prompts bench [--one-scope]]
+    .venv/bin/python bench/studies/auto_overhead.py --priced
+
+``--priced``: auto's choices alone, free of the host's noise. Its prices are held at ``PRICES`` (a
+plain step 4.4 ms; a verify 0.9 ms more for the first draft, 0.5 for each further; a head's step
+0.7 ms) and each step is costed at them, on this study's prompts and the bench's, greedy and at 0.8
+under two seeds: the text is the target's for the seed whatever drafts it, so two versions of auto
+compare exactly (the int8 target, pinned). Reports ``suffix`` and ``auto`` over target-only, as
+modeled seconds, under the entry "priced choices".
 
 ``--draft``: the draft the engine keeps (default: as the server would, ``copy:auto``, which keeps
 none where the target alone is faster). ``--prompts bench``: the first turn of every prompt of
@@ -36,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.host import host  # noqa: E402
 from bench.runners import Conversation, EngineRunner, chat_ids  # noqa: E402
+from engine.adaptive import StepCosts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
 
@@ -50,6 +59,8 @@ PROMPTS = {
     ),
 }
 TEMPERATURES = (0.0, 0.8)
+PRICES = {0: 4.4e-3, 1: 5.3e-3, 2: 5.8e-3, 3: 6.3e-3, 4: 6.8e-3}  # --priced: a verify by drafts, seconds
+HEAD_STEP = 0.7e-3  # --priced: a head's (or draft model's) step, seconds
 BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "prompts.yaml"
 
 
@@ -134,6 +145,58 @@ class StepTimes:
         return out
 
 
+class HeldCosts(StepCosts):
+    """Prices as set, whatever the steps take (``--priced``)."""
+
+    def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
+        pass
+
+
+def priced(engine, tokenizer, max_tokens: int) -> dict:
+    """``--priced``: each case's modeled seconds under ``suffix`` and ``auto`` over target-only's."""
+    auto = engine.drafter("auto")
+    auto.verify = HeldCosts()
+    auto.verify.expect(verify=PRICES)
+    for name in auto.draft_costs:
+        auto.draft_costs[name] = HeldCosts()
+        auto.draft_costs[name].expect(draft=HEAD_STEP)
+    runner, times, scopes = EngineRunner(engine), StepTimes(engine), iter(range(10**9))
+
+    def modeled(drafter: str, prompt: list[int], sampling: dict | None) -> tuple[float, int]:
+        """(the request's steps at PRICES, the tokens they made), the first step (the prompt's) left out."""
+        runner.run(drafter, False, prompt, max_tokens, f"priced{next(scopes)}", sampling)
+        steps, times.records = times.records[1:], []
+        drafting = [HEAD_STEP * r.num_drafted * (r.drafter in auto.draft_costs) for r in steps]
+        return sum(PRICES[min(r.num_drafted, max(PRICES))] for r in steps) + sum(drafting), sum(
+            r.num_emitted for r in steps
+        )
+
+    prompts = [(kind, [{"role": "user", "content": text}]) for kind, text in PROMPTS.items()] + bench_prompts()
+    seconds: dict[str, dict[str, float]] = {}
+    for kind, messages in prompts:
+        prompt = chat_ids(tokenizer, messages)
+        for temperature in TEMPERATURES:
+            for seed in (11, 12) if temperature else (None,):
+                sampling = {"temperature": temperature, "seed": seed} if temperature else None
+                case = seconds.setdefault(f"{kind}@{temperature}", dict.fromkeys(("none", "suffix", "auto"), 0.0))
+                for drafter in ("suffix", "auto"):
+                    cost, tokens = modeled(drafter, prompt, sampling)
+                    case[drafter] += cost
+                case["none"] += PRICES[0] * tokens  # the same text, a plain step a token
+    return {
+        case: {name: round(by["none"] / by[name], 3) for name in ("suffix", "auto")} for case, by in seconds.items()
+    }
+
+
+def write_entry(entry: str, result: dict) -> None:
+    """bench/results/auto_overhead.json's ``entry`` (a run replaces its own), with the host."""
+    path = RESULTS / "auto_overhead.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    report[entry] = {"host": host(), **result}
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", default="copy:auto")
@@ -141,7 +204,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prompts", choices=("own", "bench"), default="own", help="this study's three, or the bench's")
     parser.add_argument("--one-scope", action="store_true", help="one scope per configuration and round")
+    parser.add_argument("--priced", action="store_true", help="auto's choices costed at fixed prices")
     args = parser.parse_args()
+    if args.priced:
+        loaded = load_engine(EngineConfig(activations="int8"), show_progress=False)
+        table = priced(loaded.engine, loaded.tokenizer, args.max_tokens)
+        ratios = [row["auto"] for row in table.values()]
+        worst = min(table, key=lambda case: table[case]["auto"] / table[case]["suffix"])
+        summary = {
+            "auto_over_target_only": {"geomean": round(statistics.geometric_mean(ratios), 4), "least": min(ratios)},
+            "auto_over_suffix_least": {worst: round(table[worst]["auto"] / table[worst]["suffix"], 3)},
+        }
+        write_entry("priced choices", {"prices_s": PRICES, "head_step_s": HEAD_STEP, **summary, "results": table})
+        for case, row in table.items():
+            print(case, row)
+        print(summary)
+        return
     if args.prompts == "bench":
         prompts = bench_prompts()
     else:
@@ -186,24 +264,22 @@ def main() -> None:
             "auto_steps": steps.get(case, {}),
             "step_costs": times.losses(f"{case} none", f"{case} auto"),
         }
-    path = RESULTS / "auto_overhead.json"
-    report = json.loads(path.read_text()) if path.exists() else {}
     entry = (
         f"draft {args.draft}" + ("" if args.prompts == "own" else ", bench prompts") + ", one scope" * args.one_scope
     )
-    report[entry] = {
-        "host": host(),
-        "model": f"embedded SmolLM2-135M-Instruct on its GGUF blocks, {engine.config.activations} activations, in process",
-        "kept_draft": engine.config.draft,
-        "rounds": args.rounds,
-        "scopes": "one per configuration and round" if args.one_scope else "one per request",
-        "max_tokens": args.max_tokens,
-        "results": table,
-        "auto_own_ms_per_step": own.per_step_ms(),
-        "auto_steps": own.steps,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    write_entry(
+        entry,
+        {
+            "model": f"embedded SmolLM2-135M-Instruct on its GGUF blocks, {engine.config.activations} activations, in process",
+            "kept_draft": engine.config.draft,
+            "rounds": args.rounds,
+            "scopes": "one per configuration and round" if args.one_scope else "one per request",
+            "max_tokens": args.max_tokens,
+            "results": table,
+            "auto_own_ms_per_step": own.per_step_ms(),
+            "auto_steps": own.steps,
+        },
+    )
     for case, row in table.items():
         print(case, row["over_target_only"], "auto/best single", row["auto_over_best_single"], row["auto_steps"])
     print("auto's own ms per step:", own.per_step_ms(), "over", own.steps, "steps")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from math import exp, log
 
 from ..adaptive import ALPHA_PRIOR
 from ..sampling import SamplingParams
@@ -30,6 +31,8 @@ MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
 HOT_TEMPERATURE = 0.7
 DAMPED_MATCH_PRIORS = {1: 0.15, 2: 0.4, 4: 0.75, 8: 0.85}
 DAMPED = "~"  # what ends a damped request's track
+SHIFT_SPREAD = 1.5  # the spread (sd, in log-odds) of requests' text shifts about their priors
+SHIFT_ITERATIONS = 2  # Newton steps per refit, from the last shift
 
 
 def damps_repeats(params: SamplingParams) -> bool:
@@ -98,6 +101,9 @@ class RequestState:
     text_taken: tuple[float, float] = field(default_factory=lambda: (0.0, LEFT_PRIOR_STEPS))
     step: int = 0
     damped: bool = False  # sampled hot or penalising repeats: its text matches' tracks are its own
+    # log-odds by which this request's text matches pass more (or less) often than their priors say,
+    # whatever their length: one shift, fitted to every text track's evidence (``_fit_shift``)
+    shift: float = 0.0
 
     def keep_pace(self, tokens: float, seconds: float) -> None:
         """This step's best of text matching and a plain step, into the pace a draft step must beat."""
@@ -118,7 +124,7 @@ class RequestState:
         """One step's drafts, each on the track it was accepted on: the first ``accepted`` passed,
         the next (if any) was rejected. Each track's acceptance is its faded successes over
         successes and rejections, its prior counting as ``prior_tokens`` tokens (maximum likelihood
-        for a truncated geometric run)."""
+        for a truncated geometric run); a text track's prior as the request's shift moves it."""
         seen: dict[str, tuple[int, int]] = {}
         for index, track in enumerate(tracks[: accepted + 1]):
             passed, failed = seen.get(track, (0, 0))
@@ -127,5 +133,50 @@ class RequestState:
             successes, rejections = self.evidence.get(track, (0.0, 0.0))
             successes, rejections = EVIDENCE_DECAY * successes + passed, EVIDENCE_DECAY * rejections + failed
             self.evidence[track] = (successes, rejections)
-            prior = self.priors.get(track, ALPHA_PRIOR)
-            self.alpha[track] = min(0.99, (successes + prior_tokens * prior) / (successes + rejections + prior_tokens))
+            if not is_text(track):
+                prior = self.priors.get(track, ALPHA_PRIOR)
+                self.alpha[track] = _estimate(successes, rejections, prior, prior_tokens)
+        texts = [track for track in seen if is_text(track)]
+        if texts:
+            self._fit_shift(texts[0].endswith(DAMPED), prior_tokens)
+
+    def _fit_shift(self, damped: bool, prior_tokens: float) -> None:
+        """Refit the request's text shift to its text tracks' evidence (of its kind: damped or not),
+        then each such track's acceptance from its own evidence and its prior moved by the shift."""
+        tracks = [t for t in self.priors if is_text(t) and t.endswith(DAMPED) == damped]
+        logits = [_logit(self.priors[t]) for t in tracks]
+        counts = [self.evidence.get(t, (0.0, 0.0)) for t in tracks]
+        self.shift = _fit(logits, counts, self.shift)
+        shift = min(self.shift, 0.0)  # lowers priors, never raises them (docs/drafters.md)
+        for track, logit, (successes, rejections) in zip(tracks, logits, counts, strict=True):
+            self.alpha[track] = _estimate(successes, rejections, _sigmoid(logit + shift), prior_tokens)
+
+
+def _fit(logits: list[float], counts: list[tuple[float, float]], shift: float) -> float:
+    """The log-odds shift of these tracks' priors their evidence makes most likely, a priori about 0
+    (spread SHIFT_SPREAD): Newton's method on the concave log-posterior, from ``shift``."""
+    for _ in range(SHIFT_ITERATIONS):
+        slope, curve = -shift / SHIFT_SPREAD**2, 1.0 / SHIFT_SPREAD**2
+        for logit, (successes, rejections) in zip(logits, counts, strict=True):
+            chance = _sigmoid(logit + shift)
+            slope += successes - (successes + rejections) * chance
+            curve += (successes + rejections) * chance * (1.0 - chance)
+        shift += slope / curve
+    return shift
+
+
+def is_text(track: str) -> bool:
+    return "@" in track
+
+
+def _estimate(successes: float, rejections: float, prior: float, prior_tokens: float) -> float:
+    return min(0.99, (successes + prior_tokens * prior) / (successes + rejections + prior_tokens))
+
+
+def _logit(chance: float) -> float:
+    chance = min(max(chance, 0.01), 0.99)
+    return log(chance / (1.0 - chance))
+
+
+def _sigmoid(value: float) -> float:
+    return 1.0 / (1.0 + exp(-value))

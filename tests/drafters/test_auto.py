@@ -179,6 +179,26 @@ def test_one_lucky_step_of_a_draft_model_moves_its_acceptance_less_than_a_text_m
     assert auto._alpha("suffix@1") == pytest.approx((1 + 2 * 0.3) / (1 + 2))
 
 
+def test_one_token_matches_that_fail_lower_the_price_of_longer_matches_before_they_are_tried():
+    """A request whose text matches fail more often than their priors say (chat and prose: one-token
+    matches hold a third as often as in code) says so first through its many one-token offers: one
+    shift of every match length's prior in log-odds, fitted to all of them, lowers the two-token
+    match's before it has failed itself, and its four-draft offer is cut to one. Where they pass more
+    often, no prior is raised: a summary's long matches hold where its short ones break."""
+    costs = {0: 0.030, 1: 0.040, 2: 0.050, 3: 0.060, 4: 0.070}  # a verify row costs a third of a step
+    auto = priced_auto(costs, 0.010, {"model": 0.05, "staged": 0.05})
+    assert auto._choose([1, 2, 3], 4, offer(4, 2)) == ("suffix", 3)  # at the prior, 0.75
+    for _ in range(8):
+        auto._observe("suffix@1", 0, 1)  # eight one-token matches failed
+    assert "suffix@2" not in auto._request.evidence
+    assert auto._alpha("suffix@2") < 0.5
+    assert auto._choose([1, 2, 3], 4, offer(4, 2)) == ("suffix", 1)
+    lucky = priced_auto(costs, 0.010, {"model": 0.05, "staged": 0.05})
+    for _ in range(8):
+        lucky._observe("suffix@1", 1, 1)
+    assert lucky._alpha("suffix@2") == MATCH_PRIORS[2] and lucky._alpha("suffix@1") > MATCH_PRIORS[1]
+
+
 def test_a_draft_models_step_is_priced_at_the_geometric_yield_of_its_pooled_acceptance():
     """A draft model's drafts pass alike (one model, one acceptance): k drafts yield the geometric
     (1 - a^(k+1)) / (1 - a) tokens, the target's own among them, whatever its last steps yielded."""
