@@ -126,13 +126,18 @@ def faster_activations(found: dict, rows: tuple[int, ...] = (1, 5), repeats: int
     forms = {"float32": weight, "int8": int8_weight(weight)}
     best = dict.fromkeys(forms, float("inf"))
     inputs = [torch.randn(n, weight.in_features) for n in rows]
-    with torch.inference_mode():
-        for _ in range(repeats):
-            for name, form in forms.items():
-                started = time.perf_counter()
-                for x in inputs:
-                    form.linear(x)
-                best[name] = min(best[name], time.perf_counter() - started)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a busy host's cores time both alike on one thread; on all, its spinning teams
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats):
+                for name, form in forms.items():
+                    started = time.perf_counter()
+                    for x in inputs:
+                        form.linear(x)
+                    best[name] = min(best[name], time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
     ratio = best["int8"] / best["float32"]
     chosen = "int8" if ratio <= FASTER else "float32"
     if chosen == "int8":

@@ -488,6 +488,38 @@ def test_int8_activations_are_refused_where_they_cannot_apply():
     assert tiny_engine(tiny_llama(seed=1, vocab_size=64), None).config.activations == "float32"  # auto: no blocks
 
 
+def test_auto_activations_time_both_forms_on_one_thread(monkeypatch):
+    """A host whose cores another process keeps busy: timed on all of them, each form's product waited
+    on its thread team, and int8 measured at 0.98-1.33x float32's where idle it is 0.52x (two servers
+    starting together took float32, three times in three); on one thread, 0.49-0.55x. The thread
+    count is given back."""
+    import engine.cpu.int8_blocks as int8_blocks
+
+    seen = []
+
+    class Clock:  # the timing's clock, read at each product's start and end
+        @staticmethod
+        def perf_counter():
+            seen.append(torch.get_num_threads())
+            return time.perf_counter()
+
+    monkeypatch.setattr(int8_blocks, "time", Clock)
+    model = tiny_engine(tiny_llama(seed=1, vocab_size=64, hidden=64), None).target
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        chosen = []
+        offer_blocks(
+            model,
+            quantize_in_place(model.hf_model, ("Q4_0", "Q8_0")),
+            lambda found: (found, chosen.append(int8_blocks.faster_activations(found)[0]) or ""),
+        )
+        assert chosen and seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_auto_activations_take_int8_only_where_start_up_measures_it_faster(monkeypatch, caplog):
     """The decision is the measurement's: forced either way by the threshold, the model holds int8
     or float32 blocks accordingly, and the blocks line says what was measured."""
