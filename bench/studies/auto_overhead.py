@@ -153,7 +153,7 @@ class HeldCosts(StepCosts):
 
 
 def priced(engine, tokenizer, max_tokens: int) -> dict:
-    """``--priced``: each case's modeled seconds under ``suffix`` and ``auto`` over target-only's."""
+    """``--priced``: each case's speed under ``suffix`` and ``auto`` over target-only's, modeled at PRICES."""
     auto = engine.drafter("auto")
     auto.verify = HeldCosts()
     auto.verify.expect(verify=PRICES)
@@ -163,28 +163,31 @@ def priced(engine, tokenizer, max_tokens: int) -> dict:
     runner, times, scopes = EngineRunner(engine), StepTimes(engine), iter(range(10**9))
 
     def modeled(drafter: str, prompt: list[int], sampling: dict | None) -> tuple[float, int]:
-        """(the request's steps at PRICES, the tokens they made), the first step (the prompt's) left out."""
-        runner.run(drafter, False, prompt, max_tokens, f"priced{next(scopes)}", sampling)
-        steps, times.records = times.records[1:], []
-        drafting = [HEAD_STEP * r.num_drafted * (r.drafter in auto.draft_costs) for r in steps]
-        return sum(PRICES[min(r.num_drafted, max(PRICES))] for r in steps) + sum(drafting), sum(
-            r.num_emitted for r in steps
-        )
+        """(the request's steps at PRICES, the output tokens they made), the first step (the prompt's)
+        left out (a last step's tokens past a stop are not output)."""
+        run = runner.run(drafter, False, prompt, max_tokens, f"priced{next(scopes)}", sampling)
+        first, *steps = times.records
+        times.records = []
+        drafting = sum(HEAD_STEP * r.num_drafted * (r.drafter in auto.draft_costs) for r in steps)
+        cost = sum(PRICES[min(r.num_drafted, max(PRICES))] for r in steps) + drafting
+        return cost, max(len(run.token_ids) - first.num_emitted, 0)
 
     prompts = [(kind, [{"role": "user", "content": text}]) for kind, text in PROMPTS.items()] + bench_prompts()
-    seconds: dict[str, dict[str, float]] = {}
+    totals: dict[str, dict[str, list[float]]] = {}  # case -> drafter -> [modeled seconds, tokens]
     for kind, messages in prompts:
         prompt = chat_ids(tokenizer, messages)
         for temperature in TEMPERATURES:
             for seed in (11, 12) if temperature else (None,):
                 sampling = {"temperature": temperature, "seed": seed} if temperature else None
-                case = seconds.setdefault(f"{kind}@{temperature}", dict.fromkeys(("none", "suffix", "auto"), 0.0))
+                case = totals.setdefault(f"{kind}@{temperature}", {})
                 for drafter in ("suffix", "auto"):
                     cost, tokens = modeled(drafter, prompt, sampling)
-                    case[drafter] += cost
-                case["none"] += PRICES[0] * tokens  # the same text, a plain step a token
+                    total = case.setdefault(drafter, [0.0, 0])
+                    total[0], total[1] = total[0] + cost, total[1] + tokens
+    # over target-only: a plain step for each of the same tokens
     return {
-        case: {name: round(by["none"] / by[name], 3) for name in ("suffix", "auto")} for case, by in seconds.items()
+        case: {name: round(PRICES[0] * tokens / cost, 3) for name, (cost, tokens) in by.items()}
+        for case, by in totals.items()
     }
 
 
