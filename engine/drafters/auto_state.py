@@ -104,6 +104,8 @@ class RequestState:
     # log-odds by which this request's text matches pass more (or less) often than their priors say,
     # whatever their length: one shift, fitted to every text track's evidence (``_fit_shift``)
     shift: float = 0.0
+    # by kind (damped or not): its text tracks and their priors' log-odds, taken once (``_fit_shift``)
+    text_logits: dict[bool, tuple[list[str], list[float]]] = field(default_factory=dict)
 
     def keep_pace(self, tokens: float, seconds: float) -> None:
         """This step's best of text matching and a plain step, into the pace a draft step must beat."""
@@ -143,8 +145,10 @@ class RequestState:
     def _fit_shift(self, damped: bool, prior_tokens: float) -> None:
         """Refit the request's text shift to its text tracks' evidence (of its kind: damped or not),
         then each such track's acceptance from its own evidence and its prior moved by the shift."""
-        tracks = [t for t in self.priors if is_text(t) and t.endswith(DAMPED) == damped]
-        logits = [_logit(self.priors[t]) for t in tracks]
+        if damped not in self.text_logits:  # a request's priors stay as it began
+            tracks = [t for t in self.priors if is_text(t) and t.endswith(DAMPED) == damped]
+            self.text_logits[damped] = (tracks, [_logit(self.priors[t]) for t in tracks])
+        tracks, logits = self.text_logits[damped]
         counts = [self.evidence.get(t, (0.0, 0.0)) for t in tracks]
         self.shift = _fit(logits, counts, self.shift)
         shift = min(self.shift, 0.0)  # lowers priors, never raises them (docs/drafters.md)
