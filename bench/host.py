@@ -1,5 +1,8 @@
 """What machine a benchmark ran on: hosts of one kind differ in CPU generation, and bfloat16 and
-small-row matmul speeds differ with it. Compare ratios within one run, never figures across runs."""
+small-row matmul speeds differ with it, and in last-level cache: where it holds the model's weights
+(480 MiB on one Xeon against the embedded model's 94 MiB; 32 MiB a Zen 4 CCD), a decode step reads
+them from the cache, not from memory (docs/internals.md#steps-after-a-prompt). Compare ratios within
+one run, never figures across runs."""
 
 from __future__ import annotations
 
@@ -32,13 +35,32 @@ def cpu() -> dict:
         "model_number": fields.get("model"),
         "flags": [flag for flag in FLAGS_OF_INTEREST if flag in flags],
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "last_level_cache_mib": last_level_cache_mib(),
     }
 
 
-def measure_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
-    """Bytes per second reading one large float32 tensor (median of repeats): the decode speed limit."""
+def last_level_cache_mib(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> float | None:
+    """The size of the first CPU's highest-level cache, in MiB (as sysfs gives it, e.g. "491520K");
+    None where sysfs does not say."""
+    found: dict[int, float] = {}
+    for index in caches.glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}.get(size[-1:].upper())
+        if scale is not None and size[:-1].isdigit():
+            found[level] = int(size[:-1]) * scale
+    return found[max(found)] if found else None
+
+
+def measure_read_bandwidth(megabytes: int | None = None, repeats: int = 7) -> float:
+    """Bytes per second reading one large float32 tensor (median of repeats): the decode speed limit
+    where the weights come from memory. By default 512 MiB, or twice the last-level cache where that
+    is more: on a Xeon listing 480 MiB, 512 MiB read at 25-31 GB/s and 64 MiB at 49."""
     import torch
 
+    megabytes = megabytes or max(512, round(2 * (last_level_cache_mib() or 0)))
     data = torch.ones(megabytes * 2**20 // 4)
     data.sum()
     seconds = []

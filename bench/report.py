@@ -320,7 +320,8 @@ def summary(report: dict, full_tables: str) -> str:
     lines = [
         f"Decode tokens/s, {report['model']}, {_sampling(report)}, {report['settings']['max_tokens']} new tokens, on "
         f"{cpu['model']} (family {cpu['family']}, flags {', '.join(cpu['flags']) or 'none'}, {cpu['cpus']} CPUs, "
-        f"{report['machine']['read_bandwidth_gb_s']} GB/s read), specserve drafting with "
+        + (f"{cache:g} MiB last-level cache, " if (cache := cpu.get("last_level_cache_mib")) else "")
+        + f"{report['machine']['read_bandwidth_gb_s']} GB/s read), specserve drafting with "
         f"{report.get('server_draft') or report['settings'].get('draft', 'its default draft')}. "
         "Ratios hold within this run only.",
         "",

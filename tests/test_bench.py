@@ -16,6 +16,7 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 
+from host import last_level_cache_mib  # noqa: E402
 from report import plot, summarise, summary, tables  # noqa: E402
 from runners import Run, ServerRunner  # noqa: E402
 
@@ -160,6 +161,19 @@ def test_summary_ratios_targets_and_bandwidth_fraction():
     )
     assert "| chat | 10.0 | 10.0 (generate) | 10.0 | 16.0 | 16.0 (default) | 1.60x | 1.60x | - |" in short
     assert "geometric mean over the greedy types: 1.41x" in short and "(bench/results/x.md)" in short
+    assert "2 CPUs, 1 GB/s read" in short  # no cache size said where the host did not say one
+    full["machine"]["cpu"]["last_level_cache_mib"] = 32.0
+    assert "2 CPUs, 32 MiB last-level cache, 1 GB/s read" in summary(full, "bench/results/x.md")
+
+
+def test_the_host_record_gives_the_highest_cache_levels_size(tmp_path):
+    """sysfs's cache entries as Linux lists them (levels 1 to 3, sizes in K): the level-3 size, in MiB."""
+    for index, (level, size) in enumerate([(1, "48K"), (1, "64K"), (2, "2048K"), (3, "491520K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert last_level_cache_mib(tmp_path) == 480.0
+    assert last_level_cache_mib(tmp_path / "absent") is None
 
 
 def test_a_types_rate_sums_each_prompts_median_over_its_repeats():
