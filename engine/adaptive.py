@@ -20,7 +20,6 @@ PROBE_EVERY = 16  # while plain decoding wins, still draft once in a while to ke
 ALPHA_PRIOR = 0.7
 ROW_READINGS = 15  # the latest per-row verify costs between consecutive live steps kept (StepCosts)
 MIN_ROW_READINGS = 5  # how many it takes to replace the start-up line's slope
-CONTEXT_BAND = 384  # cached tokens of the first band of contexts (``context_band``), then one per doubling
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -54,13 +53,7 @@ class StepCosts:
     tried again. Nor can one slow plain step keep plain decoding from being chosen again: a plain step
     is never priced above a verify of one draft less a row (a fresh process's first sampled step, 6.9
     ms against 4.4, replaced start-up's reading and priced plain decoding above a verify of one draft,
-    so every later step drafted, and none corrected the price). Each band of contexts (``context_band``:
-    under 384 cached tokens, under 768, under 1,536, ...) learns its own shift, slope and plain step
-    (``at``), a band first met starting from the nearest one's: each row attends to every cached token,
-    read from memory, and the int8 target's plain step cost 5.1 ms after 256 tokens and 10.0 after
-    1,536, each draft 0.7 and 1.7 ms more. One shift for every context, learned over make bench's long
-    prompts, held +1.5 ms and priced one draft at 7.0 ms in the shorter requests after them, where it
-    cost 5.0."""
+    so every later step drafted, and none corrected the price)."""
 
     draft: float | None = None
     verify: dict[int, float] = field(default_factory=dict)  # by k: running averages, or the start-up line
@@ -72,11 +65,6 @@ class StepCosts:
     last: tuple[int, float] | None = None  # the last live step over a start-up line: (k, seconds)
     mean_k: float | None = None  # the k of the live steps the shift was learned from, on average
     plain: float | None = None  # a plain step's live seconds (k = 0): priced apart from the line over k >= 1
-    # until a context band's own plain step: how far below a verify of one draft the band it started from
-    # priced one (a band of long prompts, where text matching drafts most steps, may see few)
-    gap: float | None = None
-    band: int = 0  # the context band of the step priced now (``at``); the fields above from ``shift`` on are its
-    bands: dict[int, tuple] = field(default_factory=dict)  # the other bands' fields, as they were left
 
     def expect(self, draft: float | None = None, verify: dict[int, float] | None = None) -> None:
         """Start-up timings, for what has no live measurement yet: the first request then need not
@@ -85,22 +73,6 @@ class StepCosts:
             self.draft, self.provisional_draft = draft, True
         if verify and not self.verify:
             self.verify, self.from_line = dict(verify), True
-
-    def at(self, context: int) -> None:
-        """The step priced next, and then observed, reads ``context`` cached tokens: its band's live
-        fields replace the last band's (kept); a band first met starts from the last one's, its plain
-        step priced as far below a verify of one draft until it sees one of its own."""
-        band = context_band(context)
-        if band == self.band or not self.from_line:
-            return
-        gap = self.verify_cost(1) - self.verify_cost(0) if len(self.verify) > 1 else None
-        fields = self.bands[self.band] = self._band_fields()
-        fields = self.bands.pop(band, None) or (*fields[:3], None, fields[4], None, gap)  # no last step: another band's
-        self.shift, self.row, readings, self.last, self.mean_k, self.plain, self.gap = fields
-        self.row_readings, self.band = deque(readings, maxlen=ROW_READINGS), band
-
-    def _band_fields(self) -> tuple:
-        return self.shift, self.row, self.row_readings, self.last, self.mean_k, self.plain, self.gap
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
         if self.from_line and k == 0:
@@ -148,20 +120,14 @@ class StepCosts:
         if not self.from_line:
             return max(self.verify[nearest], 1e-9)
         if nearest == 0:
+            plain = self.verify[0] if self.plain is None else self.plain
             if len(self.verify) == 1:  # no drafts to price it against
-                return self.verify[0] if self.plain is None else self.plain
-            plain = self.plain if self.plain is not None else self.verify[0]
-            plain = self.verify_cost(1) - self.gap if self.plain is None and self.gap is not None else plain
+                return plain
             return plain_price(plain, self.verify_cost(1), self._slope(), min(self.verify.values()))
         return max(self._line(nearest) + (self.shift or 0.0), 1e-9)
 
     def tokens_per_second(self, alpha: float, k: int) -> float:
         return expected_tokens(alpha, k) / (k * (self.draft or 0.0) + self.verify_cost(k))
-
-
-def context_band(context: int) -> int:
-    """0 under CONTEXT_BAND cached tokens (start-up's line is timed after 256), then one band per doubling."""
-    return (context // CONTEXT_BAND).bit_length()
 
 
 def beats_plain(alpha: float, limit: int, drafting: StepCosts, verify: StepCosts) -> bool:

@@ -88,9 +88,9 @@ class AutoDrafter(Drafter):
         self._choice: StepChoice | None = None
 
     def warm_up(self) -> None:
-        """Price the candidates before the first request: the target's verify over k + 1 tokens for each k after a chat
-        turn's context (``measure.verify_prices``: a robust line over k >= 1, a plain step apart and below it), the
-        draft model's step and catch-up, its agreement (unless measured)."""
+        """Price the candidates before the first request: the target's verify over k + 1 tokens for each k after a
+        chat turn's context (best of three, priced by ``measure.verify_prices``: a robust line over k >= 1, a plain
+        step apart and below it), the draft model's step and catch-up, its agreement (unless measured)."""
         if self.resources is None:
             return
         target, draft, config = self.resources.target, self.resources.draft, self.resources.config
@@ -131,7 +131,6 @@ class AutoDrafter(Drafter):
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
         request.step, request.damped = request.step + 1, damps_repeats(sampler.params)
-        self.verify.at(len(token_ids))  # priced, then timed, at the step's context
         self._score_declined(token_ids)
         offers = self._offers(token_ids, num_draft_tokens)
         text_step = self._text_step(offers) if self.verify.knows(0) else None
@@ -272,17 +271,20 @@ class AutoDrafter(Drafter):
                 self.extra_row[name] = seconds_per_extra_row
 
     def expect_step_costs(self, verify_seconds: dict[int, float], draft_step_seconds: float | None) -> None:
-        """Start-up's timings of the target's verify by k and of the draft model's step: live measures replace them."""
+        """Start-up's timings of the target's forward over k + 1 tokens (each k) and of the draft
+        model's step, so a first request measures nothing at full k; live measures replace them."""
         self.verify.expect(verify=verify_seconds)
         if draft_step_seconds is not None:
             for costs in self.draft_costs.values():
                 costs.expect(draft=draft_step_seconds)
 
-    def expect_agreement(self, acceptance: float) -> None:  # start-up's measure: the draft model candidates' prior
+    def expect_agreement(self, acceptance: float) -> None:
+        """Start-up's measure of the draft model's acceptance: its candidates' prior."""
         self.priors |= dict.fromkeys(self.draft_costs, acceptance)
         self._request = RequestState(alpha=dict(self.priors), priors=dict(self.priors))
 
-    def _reads(self, name: str | None) -> bool:  # whether it runs a model, which must read the sequence to propose
+    def _reads(self, name: str | None) -> bool:
+        """Whether the candidate runs a model, which must read the sequence before proposing."""
         return name in self.candidates and self.candidates[name].runs_model
 
     def _lag(self, name: str | None, token_ids: list[int]) -> int | None:  # None: it runs no model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.adaptive import ScopePriors, StepCosts, context_band, expected_tokens
+from engine.adaptive import ScopePriors, StepCosts, expected_tokens
 from engine.drafters.auto_state import DAMPED_MATCH_PRIORS, MATCH_PRIORS, match_track
 from engine.factory import warm_up
 from engine.measure import CONTEXT_CHUNK, VERIFY_CONTEXT, robust_line, verify_prices, verify_seconds
@@ -535,42 +535,6 @@ def test_live_steps_replace_the_start_up_lines_slope_with_the_one_they_show():
     assert all(abs(costs.verify_cost(k) - true_cost(k)) < 0.001 for k in range(5))
     costs.observe(1, 0.0, 0.300)  # one outlier (a busy host): two slope readings of many
     assert costs.verify_cost(4) - costs.verify_cost(3) == pytest.approx(0.002)
-
-
-def test_each_band_of_contexts_learns_its_own_verify_prices():
-    """Each verify row attends to every cached token: the int8 target's plain step cost 5.1 ms after
-    256 tokens and 10.0 after 1,536. One shift for every context, learned over make bench's long and
-    agentic prompts, held +1.5 ms and priced one draft at 7.0 ms in the code and summary requests
-    after them, where it cost 5.0. Each band of contexts keeps its own live prices; a band first met
-    starts from the nearest one's."""
-    line = {0: 0.0051, 1: 0.0058, 2: 0.0064, 3: 0.0070, 4: 0.0076}  # start-up's, after 256 tokens
-
-    def true_cost(k: int, context: int) -> float:  # a cached token adds 3 us to a step, 0.6 to each draft
-        return line[k] + (context - 256) * (3.0e-6 + 0.6e-6 * k)
-
-    banded, blind = StepCosts(), StepCosts()
-    for costs in (banded, blind):
-        costs.expect(verify=line)
-        for context in (300, 1536):  # a short request's steps, then a long one's
-            for k in [0, 4, 4, 0, 2, 4, 0, 0, 4, 1, 3, 0] * 8:  # 96 steps each
-                if costs is banded:
-                    costs.at(context)
-                costs.observe(k, 0.0, true_cost(k, context))
-    for context in (300, 1536):
-        banded.at(context)
-        assert [banded.verify_cost(k) for k in range(5)] == pytest.approx(
-            [true_cost(k, context) for k in range(5)], abs=3e-4
-        )
-    assert blind.verify_cost(1) - true_cost(1, 300) > 0.004  # the control: one price for every context
-    banded.at(900)  # a band first met: the last one's prices (1,536's), then its own steps
-    assert [banded.verify_cost(k) for k in range(5)] == pytest.approx([true_cost(k, 1536) for k in range(5)], abs=3e-4)
-    engine = auto_engine()  # auto prices each step in its band
-    warm_up(engine)
-    auto = engine.drafter("auto")
-    prompt = [7, 8, 9, 10, 11, 12] * 70
-    auto.begin(prompt)
-    auto.propose(prompt, 4, RequestSampler(SamplingParams(temperature=0.0), 96, torch.device("cpu"), prompt, seed=0))
-    assert auto.verify.band == context_band(len(prompt)) == 1
 
 
 def test_a_requests_first_verify_which_reads_the_prompt_is_not_timed():
