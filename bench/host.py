@@ -1,8 +1,8 @@
 """What machine a benchmark ran on: hosts of one kind differ in CPU generation, and bfloat16 and
 small-row matmul speeds differ with it, and in last-level cache: where it holds the model's weights
 (480 MiB on one Xeon against the embedded model's 94 MiB; 32 MiB a Zen 4 CCD), a decode step reads
-them from the cache, not from memory (docs/internals.md#steps-after-a-prompt). Compare ratios within
-one run, never figures across runs."""
+much of them from the cache, not from memory (docs/internals.md#steps-after-a-prompt). Compare
+ratios within one run, never figures across runs."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def forward_ms(target, context: int, repeats: int) -> dict[int, float]:
     return {rows: round(statistics.median(spent) * 1e3, 3) for rows, spent in times.items()}
 
 
-def after_prompt_ms(target, repeats: int, steps: int = 8) -> dict[str, list[float]]:
+def after_prompt_ms(target, repeats: int, steps: int = 8) -> dict[str, dict]:
     """By condition (``--after-prompt``): median milliseconds of each of ``steps`` single-token steps after it,
     and of the condition itself."""
     cache_mib = host_cpu().get("last_level_cache_mib") or 256
