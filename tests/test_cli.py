@@ -145,6 +145,11 @@ def test_ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat_without_a_tracebac
         assert "[stopped]" in shown
         if "> " not in shown.rsplit("[stopped]", 1)[1]:  # the prompt again, unless it came with the line
             shown += _read_until(terminal, b"> ")
+        # A person's Ctrl-C comes well after the prompt. One sent the instant it shows can land after
+        # readline printed it and before readline waits on the terminal; CPython's readline raises
+        # KeyboardInterrupt only when that wait is interrupted, so it then waits for a key (a full CI
+        # run once timed out here, 20 s).
+        time.sleep(0.3)
         chat.send_signal(signal.SIGINT)
         assert chat.wait(timeout=20) == 0
         shown += _read_until(terminal, b"never shown", timeout=1)
