@@ -24,7 +24,6 @@ configuration over the others.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -35,9 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import engine.adaptive as adaptive  # noqa: E402
 import engine.drafters.auto as auto_module  # noqa: E402
 import engine.drafters.auto_state as auto_state  # noqa: E402
-from bench.host import host  # noqa: E402
 from bench.runners import EngineRunner, chat_ids  # noqa: E402
-from bench.studies.auto_overhead import RESULTS, TEMPERATURES, bench_prompts  # noqa: E402
+from bench.studies.auto_overhead import TEMPERATURES, bench_prompts, write_entry  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cpu.int8_blocks import held_activations  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
@@ -106,19 +104,18 @@ def main() -> None:
         for key in ratios
     }
     print(summary)
-    path = RESULTS / "auto_overhead.json"
-    report = json.loads(path.read_text()) if path.exists() else {}
-    report[entry + (f", {args.cases}" if args.cases else "")] = {
-        "host": host(),
-        "model": f"embedded SmolLM2-135M-Instruct on its GGUF blocks, {held_activations(shipped.engine.target)} activations,"
-        " in process, two engines",
-        "rounds": args.rounds,
-        "scopes": "one per request",
-        "max_tokens": 96,
-        "results": table,
-        "summary": summary,
-    }
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    write_entry(
+        entry + (f", {args.cases}" if args.cases else ""),
+        {
+            "model": f"embedded SmolLM2-135M-Instruct on its GGUF blocks, {held_activations(shipped.engine.target)}"
+            " activations, in process, two engines",
+            "rounds": args.rounds,
+            "scopes": "one per request",
+            "max_tokens": 96,
+            "results": table,
+            "summary": summary,
+        },
+    )
 
 
 if __name__ == "__main__":

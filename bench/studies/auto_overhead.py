@@ -46,6 +46,7 @@ from bench.host import host  # noqa: E402
 from bench.runners import Conversation, EngineRunner, chat_ids  # noqa: E402
 from engine.adaptive import StepCosts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.cpu.int8_blocks import held_activations  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -273,7 +274,8 @@ def main() -> None:
     write_entry(
         entry,
         {
-            "model": f"embedded SmolLM2-135M-Instruct on its GGUF blocks, {engine.config.activations} activations, in process",
+            "model": f"embedded SmolLM2-135M-Instruct on its GGUF blocks, {held_activations(engine.target)} activations,"
+            " in process",
             "kept_draft": engine.config.draft,
             "rounds": args.rounds,
             "scopes": "one per configuration and round" if args.one_scope else "one per request",

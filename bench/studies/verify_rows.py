@@ -36,8 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository, for bench.host and the engine
 
-from bench.host import cpu as host_cpu  # noqa: E402
-from bench.host import host  # noqa: E402
+from bench.host import host, last_level_cache_mib  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
 
@@ -63,7 +62,7 @@ def forward_ms(target, context: int, repeats: int) -> dict[int, float]:
 def after_prompt_ms(target, repeats: int, steps: int = 8) -> dict[str, dict]:
     """By condition (``--after-prompt``): median milliseconds of each of ``steps`` single-token steps after it,
     and of the condition itself."""
-    cache_mib = host_cpu().get("last_level_cache_mib") or 256
+    cache_mib = last_level_cache_mib() or 256
     elsewhere = torch.ones(int(2 * cache_mib * 2**20) // 4)  # [N] float32, twice the last-level cache
     conditions = {
         "after a prompt of 8": lambda: target.extend([100] * 8, num_logits=1),
