@@ -114,6 +114,7 @@ def main() -> None:
         "label": args.label,
         "commit": commit.strip(),
         "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": host(),  # hosts differ from run to run: the file's own host is its first runs'
     }
     for activations in ("int8", "float32"):
         loaded = load_engine(EngineConfig(drafter="none", activations=activations), show_progress=False)

@@ -118,6 +118,25 @@ def test_a_keys_score_is_the_same_bits_in_a_block_of_keys_and_alone(isa, dim):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_attention_is_the_same_bits_beside_other_rows_and_alone(isa):
+    """A KV head's rows are attended together, tile of keys by tile of keys (more rows than one
+    group holds, a window of several tiles and a tail, holes in the mask, a row that sees nothing):
+    each row's output is the bits it has when it is the only row."""
+    torch.manual_seed(7)
+    rows, window = 21, 150
+    keys, values, query = torch.randn(1, 3, window, 64) * 2, torch.randn(1, 3, window, 64), torch.randn(1, 3, rows, 64)
+    mask = torch.rand(rows, window) > 0.2
+    mask[3] = False
+    together = OPS.decode_attention(query, keys, values, mask, 0.125, isa)
+    for row in range(rows):
+        alone = OPS.decode_attention(
+            query[:, :, row : row + 1].contiguous(), keys, values, mask[row : row + 1], 0.125, isa
+        )
+        assert torch.equal(together[:, :, row : row + 1], alone), row
+    assert not together[:, :, 3].any() and together[:, :, 2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_masked_positions_take_no_part_and_a_row_that_sees_nothing_is_zero(isa):
     torch.manual_seed(2)
     keys, values, query = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64), torch.randn(1, 2, 3, 64)

@@ -3,8 +3,11 @@
 // the same vector type (vf, kLanes float32 lanes). Each (KV head, query row) is one task: scores
 // q.k * scale over the window, kLanes keys at a time (masked positions skipped or set aside), a
 // softmax taken from the row's maximum, and the probabilities times the values, summed in float32
-// in order of position. The exponentials are taken kLanes at a time (exp_lanes: within 2 ulp of
-// the exact value, as torch's own vectorised exp is within 1).
+// in order of position. A KV head's rows within a thread's tasks take turns tile of keys by tile
+// of keys (attend_group), so its keys and values are read once for them all, not once a row. The
+// exponentials are taken kLanes at a time (exp_lanes: within 2 ulp of the exact value, as torch's
+// own vectorised exp is within 1).
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -98,82 +101,135 @@ static inline vf key_dot(const vf* query_chunks, const float* key, int64_t chunk
   return dot;
 }
 
-// Rows [begin, end) of (KV head, query row), each alone: scores over the window kLanes keys at a time
-// (their lane sums together: lanes_sums; a block the row sees none of skipped, masked keys in one it
-// sees part of scored, then set aside), a softmax from their maximum, the weighted values summed in
-// order of position. C: the head's chunks of kLanes, a constant the loops unroll by (0: any, read
-// from dim); the same bits either way.
+// Keys a group's rows score (and values they sum) before the next keys: 64 keys' rows of a head
+// of up to 64 dimensions are 16 KB, which stay in the core's first-level cache while every row of
+// the group reads them. Each row alone would read the whole window, as many times as there are rows:
+// over 1,600 keys a KV head's keys and values (800 KB) outgrow a Zen 3 core's 512 KB second-level
+// cache, and a verify of five tokens read them 15 times from the shared cache.
+constexpr int64_t kTileKeys = 64;
+
+// Rows [first, first + count) of one KV head's query rows, together, each with the arithmetic it
+// has alone: its scores over the window kLanes keys at a time (their lane sums together:
+// lanes_sums; a block the row sees none of skipped, masked keys in one it sees part of scored, then
+// set aside), a softmax from its maximum, the weighted values summed in order of position; only
+// the order in which rows and tiles of keys take turns differs, so a row's bits do not depend on
+// the rows beside it. C: the head's chunks of kLanes, a constant the loops unroll by (0: any, read
+// from dim); the same bits either way. scores: count rows, stride floats apart.
+template <int C>
+static void attend_group(const float* queries, int64_t q_row_stride, const float* keys, const float* values,
+                         int64_t kv_row_stride, const bool* mask, int64_t mask_row_stride, int64_t head,
+                         int64_t first, int64_t count, int64_t num_queries, int64_t window, int64_t dim, float scale,
+                         float* out, int64_t tokens, int64_t token_stride, float* scores, int64_t stride) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  const int64_t chunks = C > 0 ? C : dim / kLanes;
+  const int64_t whole = window / kLanes * kLanes;  // keys scored kLanes at a time; the rest one by one
+  float best[kAttendGroupRows];
+  vf best_lanes[kAttendGroupRows];  // the blocks a row sees whole: their maximum lane by lane
+  for (int64_t r = 0; r < count; ++r) best[r] = kNone, best_lanes[r] = vf{} + kNone;
+  for (int64_t tile = 0; tile < window; tile += kTileKeys) {
+    const int64_t tile_whole = std::min(tile + kTileKeys, whole), tile_end = std::min(tile + kTileKeys, window);
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t row = first + r;
+      const float* query = queries + row * q_row_stride;
+      const bool* allowed = mask != nullptr ? mask + row * mask_row_stride : nullptr;
+      float* row_scores = scores + r * stride;
+      vf query_chunks[kMostChunks];
+      for (int64_t c = 0; c < chunks; ++c) query_chunks[c] = load<vf>(query + c * kLanes);
+      int64_t w = tile;
+      for (; w < tile_whole; w += kLanes) {
+        const int seen = allowed != nullptr ? seen_of(allowed + w) : kLanes;
+        if (seen == 0) {
+          for (int j = 0; j < kLanes; ++j) row_scores[w + j] = kNone;
+          continue;
+        }
+        vf dots[kLanes];
+        for (int j = 0; j < kLanes; ++j) dots[j] = key_dot<C>(query_chunks, keys + (w + j) * kv_row_stride, chunks);
+        const vf block = lanes_sums(dots) * scale;
+        if (seen == kLanes) {
+          std::memcpy(row_scores + w, &block, sizeof block);
+          best_lanes[r] = block > best_lanes[r] ? block : best_lanes[r];
+          continue;
+        }
+        for (int j = 0; j < kLanes; ++j) {
+          row_scores[w + j] = allowed[w + j] ? block[j] : kNone;
+          best[r] = allowed[w + j] && block[j] > best[r] ? block[j] : best[r];
+        }
+      }
+      for (; w < tile_end; ++w) {  // the last few keys one at a time
+        if (allowed != nullptr && !allowed[w]) {
+          row_scores[w] = kNone;
+          continue;
+        }
+        row_scores[w] = lanes_sum(key_dot<C>(query_chunks, keys + w * kv_row_stride, chunks)) * scale;
+        best[r] = row_scores[w] > best[r] ? row_scores[w] : best[r];
+      }
+    }
+  }
+  const int64_t padded = (window + kLanes - 1) / kLanes * kLanes;
+  for (int64_t r = 0; r < count; ++r) {  // each row's weights: exp(score - its maximum)
+    for (int j = 0; j < kLanes; ++j) best[r] = best_lanes[r][j] > best[r] ? best_lanes[r][j] : best[r];  // any order
+    if (best[r] == kNone) continue;  // a row that sees nothing (zeros, below)
+    float* row_scores = scores + r * stride;
+    for (int64_t w = window; w < padded; ++w) row_scores[w] = kNone;
+    for (int64_t w = 0; w < padded; w += kLanes) {
+      const vf weights = exp_lanes(load<vf>(row_scores + w) - best[r]);
+      std::memcpy(row_scores + w, &weights, sizeof weights);
+    }
+  }
+  vf sums[kAttendGroupRows][kMostChunks];
+  float totals[kAttendGroupRows] = {};
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t c = 0; c < chunks; ++c) sums[r][c] = vf{};
+  for (int64_t tile = 0; tile < window; tile += kTileKeys) {
+    const int64_t tile_end = std::min(tile + kTileKeys, window);
+    for (int64_t r = 0; r < count; ++r) {
+      if (best[r] == kNone) continue;
+      const float* row_scores = scores + r * stride;
+      vf row_sums[kMostChunks];  // in registers over the tile
+      for (int64_t c = 0; c < chunks; ++c) row_sums[c] = sums[r][c];
+      float total = totals[r];
+      for (int64_t w = tile; w < tile_end; ++w) {
+        const float weight = row_scores[w];
+        if (weight == 0.0f) continue;  // masked, or too small to count
+        total += weight;
+        const float* value = values + w * kv_row_stride;
+        for (int64_t c = 0; c < chunks; ++c) row_sums[c] += weight * load<vf>(value + c * kLanes);
+      }
+      for (int64_t c = 0; c < chunks; ++c) sums[r][c] = row_sums[c];
+      totals[r] = total;
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = first + r;
+    // row r of KV head h is query head h * G + r / tokens at token r % tokens (G = num_queries / tokens)
+    float* dest = out + (row % tokens) * token_stride + (head * (num_queries / tokens) + row / tokens) * dim;
+    if (best[r] == kNone) {  // a row that sees nothing: zeros
+      std::memset(dest, 0, sizeof(float) * dim);
+      continue;
+    }
+    const float inverse = 1.0f / totals[r];  // total >= 1: the row's maximum contributes exp(0)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const vf result = sums[r][c] * inverse;
+      std::memcpy(dest + c * kLanes, &result, sizeof result);
+    }
+  }
+}
+
+// Tasks [begin, end) of (KV head, query row): each KV head's rows among them in groups of up to
+// kAttendGroupRows, attended together (attend_group), so a head's keys and values are read once a group.
 template <int C>
 static void attend_rows(const float* q, int64_t q_head_stride, int64_t q_row_stride, const float* k, const float* v,
                         int64_t kv_head_stride, int64_t kv_row_stride, const bool* mask, int64_t mask_row_stride,
                         int64_t num_queries, int64_t window, int64_t dim, float scale, int64_t begin, int64_t end,
                         float* out, int64_t tokens, int64_t token_stride, float* scores) {
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
-  const int64_t chunks = C > 0 ? C : dim / kLanes;
-  for (int64_t index = begin; index < end; ++index) {
-    const int64_t head = index / num_queries, row = index % num_queries;
-    const float* query = q + head * q_head_stride + row * q_row_stride;
-    const float *keys = k + head * kv_head_stride, *values = v + head * kv_head_stride;
-    const bool* allowed = mask != nullptr ? mask + row * mask_row_stride : nullptr;
-    vf query_chunks[kMostChunks];
-    for (int64_t c = 0; c < chunks; ++c) query_chunks[c] = load<vf>(query + c * kLanes);
-    float best = kNone;
-    vf best_lanes = vf{} + kNone;  // the blocks seen whole: their maximum lane by lane
-    int64_t w = 0;
-    for (; w + kLanes <= window; w += kLanes) {
-      const int seen = allowed != nullptr ? seen_of(allowed + w) : kLanes;
-      if (seen == 0) {
-        for (int j = 0; j < kLanes; ++j) scores[w + j] = kNone;
-        continue;
-      }
-      vf dots[kLanes];
-      for (int j = 0; j < kLanes; ++j) dots[j] = key_dot<C>(query_chunks, keys + (w + j) * kv_row_stride, chunks);
-      const vf block = lanes_sums(dots) * scale;
-      if (seen == kLanes) {
-        std::memcpy(scores + w, &block, sizeof block);
-        best_lanes = block > best_lanes ? block : best_lanes;
-        continue;
-      }
-      for (int j = 0; j < kLanes; ++j) {
-        scores[w + j] = allowed[w + j] ? block[j] : kNone;
-        best = allowed[w + j] && block[j] > best ? block[j] : best;
-      }
-    }
-    for (; w < window; ++w) {  // the last few keys one at a time
-      if (allowed != nullptr && !allowed[w]) {
-        scores[w] = kNone;
-        continue;
-      }
-      scores[w] = lanes_sum(key_dot<C>(query_chunks, keys + w * kv_row_stride, chunks)) * scale;
-      best = scores[w] > best ? scores[w] : best;
-    }
-    for (int j = 0; j < kLanes; ++j) best = best_lanes[j] > best ? best_lanes[j] : best;  // a maximum, in any order
-    // row r of KV head h is query head h * G + r / tokens at token r % tokens (G = num_queries / tokens)
-    float* dest = out + (row % tokens) * token_stride + (head * (num_queries / tokens) + row / tokens) * dim;
-    if (best == kNone) {  // a row that sees nothing: zeros
-      std::memset(dest, 0, sizeof(float) * dim);
-      continue;
-    }
-    const int64_t padded = (window + kLanes - 1) / kLanes * kLanes;
-    for (w = window; w < padded; ++w) scores[w] = kNone;
-    for (w = 0; w < padded; w += kLanes) {
-      const vf weights = exp_lanes(load<vf>(scores + w) - best);
-      std::memcpy(scores + w, &weights, sizeof weights);
-    }
-    vf sums[kMostChunks] = {};
-    float total = 0.0f;
-    for (w = 0; w < window; ++w) {
-      const float weight = scores[w];
-      if (weight == 0.0f) continue;  // masked, or too small to count
-      total += weight;
-      const float* value = values + w * kv_row_stride;
-      for (int64_t c = 0; c < chunks; ++c) sums[c] += weight * load<vf>(value + c * kLanes);
-    }
-    const float inverse = 1.0f / total;  // total >= 1: the row's maximum contributes exp(0)
-    for (int64_t c = 0; c < chunks; ++c) {
-      const vf result = sums[c] * inverse;
-      std::memcpy(dest + c * kLanes, &result, sizeof result);
-    }
+  const int64_t stride = (window + kLanes - 1) / kLanes * kLanes;  // a row's scores, padded to whole vectors
+  for (int64_t index = begin; index < end;) {
+    const int64_t head = index / num_queries, first = index % num_queries;
+    const int64_t count = std::min({end - index, num_queries - first, kAttendGroupRows});
+    attend_group<C>(q + head * q_head_stride, q_row_stride, k + head * kv_head_stride, v + head * kv_head_stride,
+                    kv_row_stride, mask, mask_row_stride, head, first, count, num_queries, window, dim, scale, out,
+                    tokens, token_stride, scores, stride);
+    index += count;
   }
 }
 

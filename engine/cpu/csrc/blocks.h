@@ -45,6 +45,10 @@ SPECSERVE_DECLARE(avx2)
 SPECSERVE_DECLARE(avx512)
 #undef SPECSERVE_DECLARE
 
+// query rows of one KV head that attend (decode and verify) attends together: its scores buffer holds
+// up to this many rows, each its window rounded up to whole vectors (attention_kernel.h)
+constexpr int64_t kAttendGroupRows = 16;
+
 // bytes past the block being multiplied that its kernel asks for from memory now (blocks_int8.cpp says why)
 constexpr int64_t kPrefetchBytes = 2048;
 

@@ -234,7 +234,9 @@ void attend_into(const at::Tensor& query, const at::Tensor& keys, const at::Tens
   // from memory (the weights a step reads evict them from the caches), a task per (head, row)
   const int64_t task_grain = window * dim * tasks < kGrainElements ? tasks : 1;
   at::parallel_for(0, tasks, task_grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(window + kLanes[isa]);  // room for a vector's padding
+    // a group of a KV head's rows at a time (kAttendGroupRows), each row's window padded to whole vectors
+    const int64_t padded = (window + kLanes[isa] - 1) / kLanes[isa] * kLanes[isa];
+    std::vector<float> scores(std::min(end - begin, specserve_blocks::kAttendGroupRows) * padded);
     run(q, query.stride(1), query.stride(2), k, v, keys.stride(1), keys.stride(2), allowed, window, num_queries,
         window, dim, static_cast<float>(scale), begin, end, o, tokens, token_stride, scores.data());
   });
