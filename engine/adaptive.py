@@ -20,6 +20,8 @@ PROBE_EVERY = 16  # while plain decoding wins, still draft once in a while to ke
 ALPHA_PRIOR = 0.7
 ROW_READINGS = 15  # the latest per-row verify costs between consecutive live steps kept (StepCosts)
 MIN_ROW_READINGS = 5  # how many it takes to replace the start-up line's slope
+CONTEXT_DECAY = 0.995  # each live step of a kind fades the earlier evidence of how its cost grows with context
+MIN_CONTEXT_SPREAD = 128.0  # cached tokens a row: how far steps' contexts must spread to learn a slope from them
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -53,7 +55,14 @@ class StepCosts:
     tried again. Nor can one slow plain step keep plain decoding from being chosen again: a plain step
     is never priced above a verify of one draft less a row (a fresh process's first sampled step, 6.9
     ms against 4.4, replaced start-up's reading and priced plain decoding above a verify of one draft,
-    so every later step drafted, and none corrected the price)."""
+    so every later step drafted, and none corrected the price).
+
+    All of these price a step at start-up's context (the anchor); a step at another (``at``) costs its
+    rows times the tokens between times a slope (``ContextSlope``, one for plain steps and one for
+    verifies) more, and is learned from as it would have cost at the anchor. Where a host's caches do
+    not hold a long context (a Zen 3 EPYC, int8: a four-draft verify 12 ms after 150 tokens, 26 after
+    1,560), one shift for every context, learned over a long prompt, priced one draft at 20 ms in the
+    short requests after it, where it cost 7.5, and they seldom drafted until it faded."""
 
     draft: float | None = None
     verify: dict[int, float] = field(default_factory=dict)  # by k: running averages, or the start-up line
@@ -65,16 +74,32 @@ class StepCosts:
     last: tuple[int, float] | None = None  # the last live step over a start-up line: (k, seconds)
     mean_k: float | None = None  # the k of the live steps the shift was learned from, on average
     plain: float | None = None  # a plain step's live seconds (k = 0): priced apart from the line over k >= 1
+    anchor: int = 0  # the cached tokens start-up timed its line after: the fields above price a step there
+    context: int = 0  # the cached tokens of the step priced, then observed, now (``at``)
+    # seconds a row costs more per cached token beyond the anchor, a plain step's and a verify's
+    by_context: tuple[ContextSlope, ContextSlope] = field(default_factory=lambda: (ContextSlope(), ContextSlope()))
 
-    def expect(self, draft: float | None = None, verify: dict[int, float] | None = None) -> None:
+    def expect(self, draft: float | None = None, verify: dict[int, float] | None = None, context: int = 0) -> None:
         """Start-up timings, for what has no live measurement yet: the first request then need not
-        spend steps measuring what it could have known."""
+        spend steps measuring what it could have known (its verifies timed after ``context`` tokens)."""
         if draft is not None and self.draft is None:
             self.draft, self.provisional_draft = draft, True
         if verify and not self.verify:
-            self.verify, self.from_line = dict(verify), True
+            self.verify, self.from_line, self.anchor = dict(verify), True, context
+
+    def at(self, context: int) -> None:
+        """The step priced next, and then observed, reads ``context`` cached tokens."""
+        self.context = context
+
+    def _beyond(self, k: int) -> float:
+        """What a step of k drafts costs more at this context than at the anchor: its k + 1 rows each
+        attend to the tokens between, at the slope its kind's live steps show (0 until they spread)."""
+        return self.by_context[k > 0].slope * (k + 1) * (self.context - self.anchor)
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
+        if self.from_line and k in self.verify:  # learned as the step would have cost at the anchor
+            self.by_context[k > 0].add((k + 1) * (self.context - self.anchor), verify_seconds - self._line(k) * (k > 0))
+            verify_seconds -= self._beyond(k)
         if self.from_line and k == 0:
             self.plain = _update(self.plain, verify_seconds)
         elif self.from_line and k in self.verify:
@@ -120,14 +145,33 @@ class StepCosts:
         if not self.from_line:
             return max(self.verify[nearest], 1e-9)
         if nearest == 0:
-            plain = self.verify[0] if self.plain is None else self.plain
+            plain = (self.verify[0] if self.plain is None else self.plain) + self._beyond(0)
             if len(self.verify) == 1:  # no drafts to price it against
                 return plain
             return plain_price(plain, self.verify_cost(1), self._slope(), min(self.verify.values()))
-        return max(self._line(nearest) + (self.shift or 0.0), 1e-9)
+        return max(self._line(nearest) + (self.shift or 0.0) + self._beyond(nearest), 1e-9)
 
     def tokens_per_second(self, alpha: float, k: int) -> float:
         return expected_tokens(alpha, k) / (k * (self.draft or 0.0) + self.verify_cost(k))
+
+
+@dataclass(slots=True)
+class ContextSlope:
+    """How a kind of step's seconds grow with its rows times the cached tokens beyond the anchor (x):
+    a least-squares slope over its live steps, each fading the ones before by CONTEXT_DECAY, of
+    their seconds less what their k costs at the anchor (y); 0 until their contexts spread by
+    MIN_CONTEXT_SPREAD tokens a row, and never below 0."""
+
+    sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # faded: weight, x, y, x x, x y
+    slope: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        weight, xs, ys, xxs, xys = (CONTEXT_DECAY * total for total in self.sums)
+        weight, xs, ys, xxs, xys = weight + 1.0, xs + x, ys + y, xxs + x * x, xys + x * y
+        self.sums = (weight, xs, ys, xxs, xys)
+        spread = xxs - xs * xs / weight  # weight times the variance of x
+        if spread >= weight * MIN_CONTEXT_SPREAD**2:
+            self.slope = max((xys - xs * ys / weight) / spread, 0.0)
 
 
 def beats_plain(alpha: float, limit: int, drafting: StepCosts, verify: StepCosts) -> bool:

@@ -13,10 +13,13 @@ keeps its own live costs, so neither learns from the other's steps. Changes (``-
 - ``text-share``: a draft model's catch-up paid back over the share of steps text matching leaves
   to others (``LEFT_PRIOR_STEPS`` out of reach before: always all 64 tokens). Answer:
   docs/drafters.md#catch-up-over-the-steps-text-matching-leaves.
+- ``context-slope``: verify prices that grow with the step's context at a slope live steps show
+  (``MIN_CONTEXT_SPREAD`` out of reach before: one shift for every context). Answer:
+  docs/drafters.md#verify-prices-by-context.
 
     .venv/bin/python bench/studies/auto_ab.py --change text-share [--rounds 3] [--cases code@0.0,long@0.8]
 
-Writes the change's entry ("verify slope A/B", "text share A/B") of bench/results/auto_overhead.json:
+Writes the change's entry ("verify slope A/B", "text share A/B", "context slope A/B") of bench/results/auto_overhead.json:
 median decode tokens/s (after the first arrival: ``Run.decode_tokens_per_s``) by case, and each
 configuration over the others.
 """
@@ -45,10 +48,12 @@ SHIPPED = {
     (adaptive, "MIN_ROW_READINGS"): adaptive.MIN_ROW_READINGS,
     (auto_module, "PROBE_CATCH_UP"): auto_module.PROBE_CATCH_UP,
     (auto_state, "LEFT_PRIOR_STEPS"): auto_state.LEFT_PRIOR_STEPS,
+    (adaptive, "MIN_CONTEXT_SPREAD"): adaptive.MIN_CONTEXT_SPREAD,
 }
 CHANGES = {  # what each change's "before" sets, and the entry it writes
     "verify-slope": ("verify slope A/B", {(adaptive, "MIN_ROW_READINGS"): 10**9, (auto_module, "PROBE_CATCH_UP"): 1.0}),
     "text-share": ("text share A/B", {(auto_state, "LEFT_PRIOR_STEPS"): 1e12}),
+    "context-slope": ("context slope A/B", {(adaptive, "MIN_CONTEXT_SPREAD"): math.inf}),
 }
 
 

@@ -8,7 +8,7 @@ more), from a prior its scope's finished requests move (a draft model's: its agr
 start-up, or a head's recorded beside it, worth 8 tokens of evidence; a text match's 2, as it holds
 or breaks with the text). A text match's draft i passes, once those before it did, as a match i - 1
 tokens longer does. Draft cost d_c and verify cost v(k) are timed at start-up, then live, shared by
-requests (``StepCosts``: v(0), a plain step, apart; v over k >= 1 as a line).
+requests (``StepCosts``: v(0), a plain step, apart; v over k >= 1 as a line; each grows with the context).
 
 Text matching is asked first at every step, since its proposal costs next to nothing to make: the
 choice then knows how many tokens it offers and how long a match they continue, and its acceptance
@@ -131,6 +131,7 @@ class AutoDrafter(Drafter):
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampler: RequestSampler) -> Proposal:
         request = self._request
         request.step, request.damped = request.step + 1, damps_repeats(sampler.params)
+        self.verify.at(len(token_ids))  # priced, then timed, at the step's context
         self._score_declined(token_ids)
         offers = self._offers(token_ids, num_draft_tokens)
         text_step = self._text_step(offers) if self.verify.knows(0) else None
@@ -153,8 +154,7 @@ class AutoDrafter(Drafter):
         # scored as the text passes them: the offers not taken, and the one taken past its first k drafts
         declined = [(*offer, k * (each == name)) for each, offer in offers.items() if each != name or k < len(offer[0])]
         request.declined += [(len(token_ids), tuple(drafts), track, taken) for drafts, track, taken in declined]
-        choice.drafted = proposal.token_ids.shape[0]
-        choice.proposed_at = time.perf_counter()
+        choice.drafted, choice.proposed_at = proposal.token_ids.shape[0], time.perf_counter()
         choice.draft_seconds = choice.proposed_at - started
         self._choice = choice
         drafter = name if choice.drafted else "none"
@@ -273,7 +273,7 @@ class AutoDrafter(Drafter):
     def expect_step_costs(self, verify_seconds: dict[int, float], draft_step_seconds: float | None) -> None:
         """Start-up's timings of the target's forward over k + 1 tokens (each k) and of the draft
         model's step, so a first request measures nothing at full k; live measures replace them."""
-        self.verify.expect(verify=verify_seconds)
+        self.verify.expect(verify=verify_seconds, context=measure.VERIFY_CONTEXT)
         if draft_step_seconds is not None:
             for costs in self.draft_costs.values():
                 costs.expect(draft=draft_step_seconds)

@@ -4,9 +4,12 @@ request, costs shared, and every choice from past steps only. Exactness lives in
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from engine import adaptive
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
 from engine.drafters.auto_state import DAMPED_MATCH_PRIORS, MATCH_PRIORS, match_track
 from engine.factory import warm_up
@@ -535,6 +538,39 @@ def test_live_steps_replace_the_start_up_lines_slope_with_the_one_they_show():
     assert all(abs(costs.verify_cost(k) - true_cost(k)) < 0.001 for k in range(5))
     costs.observe(1, 0.0, 0.300)  # one outlier (a busy host): two slope readings of many
     assert costs.verify_cost(4) - costs.verify_cost(3) == pytest.approx(0.002)
+
+
+def long_then_short(costs: StepCosts) -> None:
+    """Requests of short and of long contexts in turn, each step at its true cost: each row attends to
+    every cached token (2 us a token a verify row, 3 us a plain step's), the last request a long one."""
+    costs.expect(verify={0: 0.0045, 1: 0.0055, 2: 0.0063, 3: 0.0071, 4: 0.0079}, context=256)
+    steps = [0, 4, 0, 2, 1, 4, 0, 3, 0, 4, 2, 0, 1, 4, 0, 0, 4, 3, 0, 2]
+    for start in (150, 1500, 300, 1200, 200, 1560):
+        for index, k in enumerate(steps):
+            costs.at(start + 3 * index)
+            costs.observe(k, 0.0, true_cost(k, start + 3 * index))
+
+
+def true_cost(k: int, context: int) -> float:
+    return 0.0045 + 3e-6 * (context - 256) if k == 0 else 0.0047 + 0.0008 * k + 2e-6 * (k + 1) * (context - 256)
+
+
+def test_verify_prices_follow_the_steps_context(monkeypatch):
+    """On a host whose caches do not hold a long context, a four-draft verify cost 26 ms after 1,560
+    tokens where it cost 12 after 150 (a Zen 3 EPYC, int8). One shift for every context, learned over
+    a long prompt, then priced one draft at 20 ms in the short requests after it, where it costs 7.5,
+    and they seldom drafted. A slope by context, learned as the steps' contexts spread, prices each
+    step at its own context, short after long and long after short."""
+    costs = StepCosts()
+    long_then_short(costs)
+    for context in (200, 1600):
+        costs.at(context)
+        assert all(abs(costs.verify_cost(k) - true_cost(k, context)) < 0.0006 for k in range(5)), context
+    monkeypatch.setattr(adaptive, "MIN_CONTEXT_SPREAD", math.inf)  # the control: one shift for every context
+    one_shift = StepCosts()
+    long_then_short(one_shift)
+    one_shift.at(200)
+    assert one_shift.verify_cost(1) - true_cost(1, 200) > 0.003
 
 
 def test_a_requests_first_verify_which_reads_the_prompt_is_not_timed():
