@@ -98,7 +98,9 @@ class StepCosts:
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
         if self.from_line and k in self.verify:  # learned as the step would have cost at the anchor
-            self.by_context[k > 0].add((k + 1) * (self.context - self.anchor), verify_seconds - self._line(k) * (k > 0))
+            self.by_context[k > 0].add(
+                (k + 1) * (self.context - self.anchor), verify_seconds - (self._line(k) if k else 0.0)
+            )
             verify_seconds -= self._beyond(k)
         if self.from_line and k == 0:
             self.plain = _update(self.plain, verify_seconds)
