@@ -175,15 +175,10 @@ class BlockWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of a one-part weight, decoded from their blocks -> [T, I] float32: an
-        embedding lookup in a table held as the tied LM head's blocks."""
+        embedding lookup in a table held as the tied LM head's blocks (a repacked group's one row)."""
         (part,) = self.parts
-        if part.format in INT8_FORMATS:  # the groups holding the rows, decoded, then the rows themselves
-            groups = BlockPart(part.blocks[ids // INT8_ROWS], part.format)
-            return decode(groups, self.in_features, self.isa).view(-1, INT8_ROWS, self.in_features)[
-                torch.arange(ids.shape[0]), ids % INT8_ROWS
-            ]
         out = torch.empty(ids.shape[0], self.in_features, device=part.blocks.device)  # [T, I]
-        torch.ops.specserve.blocks_decode(part.blocks[ids], part.format, self.in_features, self.isa, out)
+        torch.ops.specserve.blocks_rows(part.blocks, part.format, ids.long(), self.in_features, self.isa, out)
         return out
 
     def dense(self) -> torch.Tensor:

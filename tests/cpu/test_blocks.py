@@ -116,8 +116,11 @@ def test_int8_repacking_keeps_the_weights_and_their_rows(name):
     assert repacked.rows == 48 and repacked.blocks.nbytes == 48 * 8 * block_bytes
     assert torch.equal(decode(repacked, 256, kernel_isa()), decode(original, 256, kernel_isa()))
     ids = torch.tensor([0, 17, 47, 17, 5])
-    weight = BlockWeight((repacked,), 256, None, kernel_isa())
-    assert torch.equal(weight.rows(ids), decode(original, 256, kernel_isa())[ids])
+    for part, isa in [(part, isa) for part in (original, repacked) for isa in ISAS]:  # a lookup: each row alone
+        weight = BlockWeight((part,), 256, None, isa)
+        assert torch.equal(weight.rows(ids), decode(original, 256, kernel_isa())[ids]), f"{part.format}, isa {isa}"
+        with pytest.raises(RuntimeError, match="row 48 of 48 rows"):
+            weight.rows(torch.tensor([3, 48]))
     assert int8_part(BlockPart(data[:40], FORMATS[name]), 256) is None  # rows not in sixteens
     q6 = BlockPart(torch.from_numpy(written_blocks("Q6_K", 16, 256, seed=1)), FORMATS["Q6_K"])
     assert int8_part(q6, 256) is None and int8_weight(BlockWeight((q6,), 256, None, 0)).parts == (q6,)

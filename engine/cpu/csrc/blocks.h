@@ -56,12 +56,14 @@ int64_t best_isa();  // the widest instruction set this CPU runs: 0 portable, 1 
 
 // blocks_int8.cpp: whether this CPU runs its vector path; x [N, I] (rows x_stride apart) times a
 // kInt8Q4 or kInt8Q8 weight of num_groups groups into out [N, 16 num_groups] (by VNNI where isa is 2
-// and the CPU has it, else by AVX2 where isa is 1 or more, else portably: the same bits); and
-// groups [g_begin, g_end) decoded to float32
+// and the CPU has it, else by AVX2 where isa is 1 or more, else portably: the same bits); groups
+// [g_begin, g_end) decoded to float32; and one row of a group, the same values
 bool has_vnni();
 void int8_times(int64_t format, const float* x, int64_t num_rows, int64_t x_stride, const uint8_t* packed,
                 int64_t num_groups, int64_t in_features, int64_t isa, float* out, int64_t out_stride);
 void int8_decode(int64_t format, const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end,
                  float* out, int64_t out_stride);
+// row ``lane`` (0..15) of the group at ``group`` decoded to float32 into ``row`` [in_features]
+void int8_decode_row(int64_t format, const uint8_t* group, int64_t in_features, int64_t lane, float* row);
 
 }  // namespace specserve_blocks

@@ -351,32 +351,34 @@ void int8_times(int64_t format, const float* x, int64_t num_rows, int64_t x_stri
 }
 
 namespace {
+// Row ``lane`` of a group (its blocks from ``group``) decoded to float32 into ``row`` [I]
 template <typename L>
-void decode_groups(const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end, float* out,
-                   int64_t out_stride) {
-  const int64_t num_blocks = in_features / kBlock;
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const uint8_t* block = packed + (g * num_blocks + b) * L::kPackedBytes;
-      for (int lane = 0; lane < kGroup; ++lane) {
-        uint16_t d, m;
-        std::memcpy(&d, block + L::kValueBytes + 2 * lane, 2);
-        std::memcpy(&m, block + L::kValueBytes + 2 * kGroup + 2 * lane, 2);
-        const float scale = half_to_float(d), shift = half_to_float(m);
-        float* row = out + (g * kGroup + lane) * out_stride + b * kBlock;
-        // d * q is exact in float32, so the sum rounds once, as the blocks' own decoding
-        for (int k = 0; k < 8; ++k)
-          for (int j = 0; j < 4; ++j) row[4 * k + j] = std::fmaf(scale, static_cast<float>(L::value(block, k, lane, j)), shift);
-      }
-    }
+void decode_lane(const uint8_t* group, int64_t in_features, int lane, float* row) {
+  for (int64_t b = 0; b < in_features / kBlock; ++b) {
+    const uint8_t* block = group + b * L::kPackedBytes;
+    uint16_t d, m;
+    std::memcpy(&d, block + L::kValueBytes + 2 * lane, 2);
+    std::memcpy(&m, block + L::kValueBytes + 2 * kGroup + 2 * lane, 2);
+    const float scale = half_to_float(d), shift = half_to_float(m);
+    // d * q is exact in float32, so the sum rounds once, as the blocks' own decoding
+    for (int k = 0; k < 8; ++k)
+      for (int j = 0; j < 4; ++j)
+        row[b * kBlock + 4 * k + j] = std::fmaf(scale, static_cast<float>(L::value(block, k, lane, j)), shift);
   }
 }
 }  // namespace
 
 void int8_decode(int64_t format, const uint8_t* packed, int64_t in_features, int64_t g_begin, int64_t g_end,
                  float* out, int64_t out_stride) {
-  if (format == kInt8Q4) return decode_groups<Nibbles>(packed, in_features, g_begin, g_end, out, out_stride);
-  decode_groups<Bytes>(packed, in_features, g_begin, g_end, out, out_stride);
+  const int64_t group_bytes = in_features / kBlock * (format == kInt8Q4 ? Nibbles::kPackedBytes : Bytes::kPackedBytes);
+  for (int64_t g = g_begin; g < g_end; ++g)
+    for (int lane = 0; lane < kGroup; ++lane) int8_decode_row(format, packed + g * group_bytes, in_features, lane,
+                                                             out + (g * kGroup + lane) * out_stride);
+}
+
+void int8_decode_row(int64_t format, const uint8_t* group, int64_t in_features, int64_t lane, float* row) {
+  if (format == kInt8Q4) return decode_lane<Nibbles>(group, in_features, static_cast<int>(lane), row);
+  decode_lane<Bytes>(group, in_features, static_cast<int>(lane), row);
 }
 
 }  // namespace specserve_blocks

@@ -1,6 +1,8 @@
-// torch ops over the kernels: specserve::blocks_times (x [N, I] times W [O, I].T into out [N, O])
-// and specserve::blocks_decode (W's float32 values into out [O, I]). W is held as the GGUF holds
-// it: O rows of row_bytes, uint8. Output rows are split over torch's intra-op threads.
+// torch ops over the kernels: specserve::blocks_times (x [N, I] times W [O, I].T into out [N, O]),
+// specserve::blocks_decode (W's float32 values into out [O, I]) and specserve::blocks_rows (rows
+// ids [T] of W into out [T, I]: an embedding lookup in a table held as blocks). W is held as the
+// GGUF holds it: O rows of row_bytes, uint8 (or repacked for int8 activations, 16 rows a group).
+// Output rows are split over torch's intra-op threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -55,6 +57,32 @@ void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features
   });
 }
 
+void blocks_rows(const at::Tensor& blocks, int64_t format, const at::Tensor& ids, int64_t in_features, int64_t isa,
+                 at::Tensor& out) {
+  check(blocks, format, in_features, isa);
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be a CPU int64 [T] tensor");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == ids.size(0) &&
+                  out.size(1) == in_features,
+              "out must be float32 [T, in_features] with contiguous rows");
+  const at::Tensor held = ids.contiguous();
+  const int64_t* id = held.data_ptr<int64_t>();
+  const int64_t count = held.size(0), total = output_rows(blocks, format);
+  for (int64_t t = 0; t < count; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < total, "row ", id[t], " of ", total, " rows");
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* os = out.data_ptr<float>();
+  const int64_t row_bytes = blocks.stride(0), o_stride = out.stride(0);
+  at::parallel_for(0, count, grain(count), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (format >= kInt8Q4) {  // the group holding the row, and the row's lane in it
+        int8_decode_row(format, w + id[t] / kInt8Rows * row_bytes, in_features, id[t] % kInt8Rows, os + t * o_stride);
+        continue;
+      }
+      auto run = isa == 2 ? avx512::decode : isa == 1 ? avx2::decode : portable::decode;
+      run(static_cast<int>(format), w + id[t] * row_bytes, row_bytes, in_features, 0, 1, os + t * o_stride, o_stride);
+    }
+  });
+}
+
 }  // namespace
 
 int64_t output_rows(const at::Tensor& blocks, int64_t format) {
@@ -87,6 +115,7 @@ int64_t best_isa() { return has_isa(2) ? 2 : has_isa(1) ? 1 : 0; }
 TORCH_LIBRARY(specserve, m) {
   m.def("blocks_times(Tensor x, Tensor blocks, int format, int in_features, int isa, Tensor(a!) out) -> ()");
   m.def("blocks_decode(Tensor blocks, int format, int in_features, int isa, Tensor(a!) out) -> ()");
+  m.def("blocks_rows(Tensor blocks, int format, Tensor ids, int in_features, int isa, Tensor(a!) out) -> ()");
   m.def("blocks_isa() -> int");
   m.def("blocks_has_isa(int isa) -> bool");
   m.def("blocks_has_vnni() -> bool");
@@ -95,6 +124,7 @@ TORCH_LIBRARY(specserve, m) {
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
   m.impl("blocks_times", specserve_blocks::blocks_times);
   m.impl("blocks_decode", specserve_blocks::blocks_decode);
+  m.impl("blocks_rows", specserve_blocks::blocks_rows);
 }
 
 TORCH_LIBRARY_IMPL(specserve, CompositeExplicitAutograd, m) {
