@@ -11,8 +11,10 @@ attention) and ``torch`` (torch's eager ops, as a compiled forward traces them).
 served decode step by op with torch's profiler, and times the served forward over 1..8 rows with
 the shipped EAGLE-3 head's step: the line through them, a step's fixed cost plus a cost per row,
 bounds what any chain of drafts can gain here (``ceiling``: the best speedup over k at each
-per-token acceptance, drafting at the head's step and for free); and one Q4_1 product over 1..8
-rows, for what a row past the first costs the kernel. Writes bench/results/native_ops.json.
+per-token acceptance, drafting at the head's step and for free); one Q4_1 product over 1..8
+rows, for what a row past the first costs the kernel; and the embedding lookup (the tied head's
+blocks, by specserve::blocks_rows) against decoding each token's whole repacked group of 16 rows
+and picking its row, as BlockWeight.rows did before. Writes bench/results/native_ops.json.
 
     .venv/bin/python bench/studies/native_ops.py
 """
@@ -146,6 +148,38 @@ def kernel_rows(repeats: int = 50) -> dict:
     }
 
 
+def embedding_rows(target, rounds: int, repeats: int = 200) -> dict:
+    """Microseconds of the embedding lookup of 1 and 200 random ids, served (one row decoded each)
+    against the whole group decoded and the row picked, the forms alternating round by round; the
+    rows must be the same."""
+    from engine.cpu.blocks import INT8_FORMATS, INT8_ROWS, BlockPart, decode
+
+    weights = target.weights
+    table = weights.prepared.get(weights._tied)  # the tied LM head's blocks, where the table was freed
+    if table is None or table.parts[0].format not in INT8_FORMATS:
+        return {"skipped": "no repacked tied head here"}
+    (part,) = table.parts
+
+    def by_group(ids: torch.Tensor) -> torch.Tensor:
+        decoded = decode(BlockPart(part.blocks[ids // INT8_ROWS], part.format), table.in_features, table.isa)
+        return decoded.view(-1, INT8_ROWS, table.in_features)[torch.arange(ids.shape[0]), ids % INT8_ROWS]
+
+    report = {}
+    with torch.inference_mode():
+        for count in (1, 200):
+            ids = torch.randint(0, table.out_features, (count,), generator=torch.Generator().manual_seed(count))
+            assert torch.equal(weights.embedding_rows(ids), by_group(ids))
+            times: dict[str, list[float]] = {"rows": [], "whole_group": []}
+            for _ in range(rounds):
+                for form, lookup in (("rows", weights.embedding_rows), ("whole_group", by_group)):
+                    started = time.perf_counter()
+                    for _ in range(repeats):
+                        lookup(ids)
+                    times[form].append(1e6 * (time.perf_counter() - started) / repeats)
+            report[f"{count}_ids_us"] = {form: round(statistics.median(values), 1) for form, values in times.items()}
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
@@ -184,11 +218,12 @@ def main() -> None:
         "served_decode_split": op_split(target),
         "served_rows": row_sweep(target, head_step_ms, args.rounds, args.repeats),
         "kernel_rows": kernel_rows(),
+        "embedding_rows": embedding_rows(target, args.rounds),
         "rounds": results,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "native_ops.json").write_text(json.dumps(report, indent=2) + "\n")
-    shown = ("median_ms", "over_layers", "served_decode_split", "served_rows", "kernel_rows")
+    shown = ("median_ms", "over_layers", "served_decode_split", "served_rows", "kernel_rows", "embedding_rows")
     print(json.dumps({key: report[key] for key in shown}, indent=2))
 
 
