@@ -62,13 +62,15 @@ def test_default_model_answers_a_chat_request_sensibly_while_speculating(default
     assert response.choices[0].finish_reason == "stop"
     # auto drafts where its measured costs say drafting pays: on a host whose verify rows are dear (an
     # AVX2-only EPYC, a row 0.9-1.6 ms of a 6 ms step) that short answer may draft nothing; an answer
-    # that copies its prompt pays on any host
+    # that copies its prompt pays on any host, without the model's default repetition penalty, which
+    # works against copying (under it auto prices text matches low, and drafted nothing here once)
     sentence = "The quick brown fox jumps over the lazy dog near the river bank."
     copied = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
         messages=[{"role": "user", "content": f"Repeat this sentence exactly: {sentence}"}],
         max_tokens=40,
         temperature=0,
+        extra_body={"repetition_penalty": 1.0},
     )
     assert "quick brown fox" in copied.choices[0].message.content
     speculative = copied.usage.model_extra["speculative"]
