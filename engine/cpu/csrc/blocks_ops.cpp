@@ -42,6 +42,10 @@ void check(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_
 // at least 8 output rows per task, and about as many tasks as threads
 int64_t grain(int64_t rows) { return std::max<int64_t>(8, rows / (4 * at::get_num_threads())); }
 
+// the decoding kernel of instruction set ``isa`` (checked against the CPU)
+using Decode = void (*)(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
+Decode decoder(int64_t isa) { return isa == 2 ? avx512::decode : isa == 1 ? avx2::decode : portable::decode; }
+
 void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features, int64_t isa, at::Tensor& out) {
   check(blocks, format, in_features, isa);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
@@ -52,8 +56,7 @@ void blocks_decode(const at::Tensor& blocks, int64_t format, int64_t in_features
   const int64_t row_bytes = blocks.stride(0), o_stride = out.stride(0);
   at::parallel_for(0, blocks.size(0), grain(blocks.size(0)), [&](int64_t begin, int64_t end) {
     if (format >= kInt8Q4) return int8_decode(format, w, in_features, begin, end, os, o_stride);
-    auto run = isa == 2 ? avx512::decode : isa == 1 ? avx2::decode : portable::decode;
-    run(static_cast<int>(format), w, row_bytes, in_features, begin, end, os, o_stride);
+    decoder(isa)(static_cast<int>(format), w, row_bytes, in_features, begin, end, os, o_stride);
   });
 }
 
@@ -71,13 +74,13 @@ void blocks_rows(const at::Tensor& blocks, int64_t format, const at::Tensor& ids
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* os = out.data_ptr<float>();
   const int64_t row_bytes = blocks.stride(0), o_stride = out.stride(0);
+  const Decode run = decoder(isa);
   at::parallel_for(0, count, grain(count), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (format >= kInt8Q4) {  // the group holding the row, and the row's lane in it
         int8_decode_row(format, w + id[t] / kInt8Rows * row_bytes, in_features, id[t] % kInt8Rows, os + t * o_stride);
         continue;
       }
-      auto run = isa == 2 ? avx512::decode : isa == 1 ? avx2::decode : portable::decode;
       run(static_cast<int>(format), w + id[t] * row_bytes, row_bytes, in_features, 0, 1, os + t * o_stride, o_stride);
     }
   });
