@@ -208,17 +208,21 @@ def load(
     config: EngineConfig, progress: Callable[[str], None] = lambda stage: None, direct: bool = False
 ) -> LoadedModels:
     """``progress(what)`` is called as each stage ends (tokenizer, target, draft), with sizes.
-    ``direct``: a GGUF target whose products the block kernels can multiply here is built straight
-    from its file (``direct_target``), not as a transformers model; for the engine alone."""
+    ``direct``: a GGUF target of a layout engine/model/from_gguf.py knows is built straight from
+    its file on CPU (``direct_target``), not as a transformers model; for the engine alone."""
     device, dtype = config.torch_device, config.torch_dtype
     tokenizer = load_tokenizer(config.target)
     release_freed_memory()  # the conversion's vocabulary and merges, before the target is read
     progress("tokenizer")
     where, extra = locate(config.target)
     target_file = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
-    file = direct_target(config, target_file) if direct else None
+    file, held = direct_target(config, target_file) if direct else (None, None)
     started = time.perf_counter()
-    target, blocks = read_gguf_target(file) if file is not None else (load_model(config.target, device, dtype), None)
+    if file is None:
+        target, blocks = load_model(config.target, device, dtype), None
+    else:
+        target, blocks = read_gguf_target(file, held)
+        blocks = blocks if held is None else None
     described = describe(target, blocks)
     if file is not None:
         seconds = time.perf_counter() - started
@@ -237,27 +241,28 @@ def load(
     return LoadedModels(target, draft, tokenizer, name, target_file, where, blocks)
 
 
-def direct_target(config: EngineConfig, target_file: Path | None) -> GGUFFile | None:
-    """The target's GGUF file, open, where the target can be built from it directly: a float32
-    target on CPU whose products go through the block kernels (built here), of a layout
-    engine/model/from_gguf.py knows; else None (transformers loads it)."""
-    if target_file is None or config.torch_device.type != "cpu" or config.torch_dtype != torch.float32:
-        return None
-    if not config.gguf_blocks or not native_ops_available():
-        return None
+def direct_target(config: EngineConfig, target_file: Path | None) -> tuple[GGUFFile | None, torch.dtype | None]:
+    """The target's GGUF file, open, where the target can be built from it directly (on CPU, a layout
+    engine/model/from_gguf.py knows), with the dtype its weights are held in: None where its
+    products read the file's blocks (a float32 target, the block kernels built here), else the
+    configured one, every weight dequantized as transformers would (in 0.3 s for the embedded model,
+    where transformers' loader takes 17). (None, None) where transformers loads it."""
+    if target_file is None or config.torch_device.type != "cpu":
+        return None, None
     file = GGUFFile(target_file)
     why = direct_gguf(file)
     if why is not None:
         log.info("%s goes through transformers' loader: %s", target_file.name, why)
-        return None
-    return file
+        return None, None
+    blocks = config.torch_dtype == torch.float32 and config.gguf_blocks and native_ops_available()
+    return file, None if blocks else config.torch_dtype
 
 
 def load_draft(
     config: EngineConfig, target: torch.nn.Module, file: GGUFFile | None = None
 ) -> torch.nn.Module | CopySource | None:
     """The draft ``config`` names: a copy of ``target`` in another form (from ``file`` where the
-    target was built from it: it holds no floating-point products to convert; copy:auto's is read
+    target was built from it, whose products may hold no floating-point weight; copy:auto's is read
     there once its choice is made), a model of its own, or none (copy:auto under a start-up drafter
     that never drafts with a model: a request naming "model" there is refused)."""
     if config.draft is None:

@@ -129,6 +129,12 @@ def test_a_target_read_from_its_file_computes_what_transformers_target_does(tmp_
     assert torch.equal(direct.extend(prompt, num_logits=6), loaded.extend(prompt, num_logits=6))
     assert torch.equal(direct.extend([7]), loaded.extend([7]))
     assert not any(p.is_meta and p.numel() for p in model.parameters())  # every block product let go of its weight
+    # a target held in a dtype (no blocks: another dtype, or no kernels) has transformers' weights in it
+    for dtype in (torch.float32, torch.float16):
+        held = dict(read_gguf_target(file, dtype)[0].named_parameters())
+        theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=dtype)
+        assert {name: p.dtype for name, p in held.items()} == {name: p.dtype for name, p in theirs.named_parameters()}
+        assert all(torch.equal(held[name], p) for name, p in theirs.named_parameters()), dtype
 
 
 def test_the_file_reader_reads_what_the_gguf_package_reads():
