@@ -210,16 +210,17 @@ def run(engine, prompt, params) -> list[int]:
     return [token for output in engine.generate(Request("r", prompt, params)) for token in output.token_ids]
 
 
-REFERENCES: dict[tuple[str, tuple[int, ...]], list[int]] = {}  # by target weights' digest and prompt
+REFERENCES: dict[tuple[str, tuple[int, ...], int], list[int]] = {}  # by target weights' digest, prompt, length
 
 
-def cached_reference(model, weights: str, prompt: tuple[int, ...]) -> list[int]:
+def cached_reference(model, weights: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     """``greedy_reference`` once per target weights (``weights_digest``) and prompt: every setup at
     one k reads the same prompts, most with the same target (one holding blocks changes it), and
     the uncached forward is half of such a test's time."""
-    if (weights, prompt) not in REFERENCES:
-        REFERENCES[weights, prompt] = greedy_reference(model, list(prompt), 24)
-    return REFERENCES[weights, prompt]
+    key = (weights, prompt, max_tokens)
+    if key not in REFERENCES:
+        REFERENCES[key] = greedy_reference(model, list(prompt), max_tokens)
+    return REFERENCES[key]
 
 
 def weights_digest(model) -> str:
@@ -246,7 +247,7 @@ def test_greedy_speculative_equals_target_greedy(setup, num_draft_tokens):
             0, 96, (int(torch.randint(2, 8, (1,), generator=generator)),), generator=generator
         ).tolist()
         prompt = chunk + [5] + chunk  # a repeat gives n-gram lookup material
-        expected = cached_reference(target, weights, tuple(prompt))
+        expected = cached_reference(target, weights, tuple(prompt), 24)
         outputs = list(engine.generate(Request("g", prompt, SamplingParams(max_tokens=24, temperature=0.0))))
         assert [t for o in outputs for t in o.token_ids] == expected
         total.add(outputs[-1].stats)
