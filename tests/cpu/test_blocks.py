@@ -160,6 +160,7 @@ def test_int8_products_follow_llama_cpps_law_the_same_for_every_row_and_path(nam
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, in_features, generator=generator)  # [64, I]
     x[3, :32] = 0.0  # a block of zeros: scale 0
+    x[5, :32] = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])  # ties, each rounded to the even value
     alone = torch.cat([weights[-1].linear(x[i : i + 1]) for i in range(64)])  # [64, O], one row at a time
     for weight in weights:
         for rows in [*range(1, 21), 64]:
