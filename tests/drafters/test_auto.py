@@ -456,6 +456,26 @@ def test_one_slow_plain_step_cannot_price_plain_decoding_above_a_verify_of_one_d
     assert costs.verify_cost(0) == pytest.approx(0.0044, abs=0.0001)  # plain steps themselves, below the bound
 
 
+def test_plain_steps_that_stay_above_the_lines_bound_raise_the_line_so_drafting_resumes():
+    """The float32 target on a Zen 3 host, after a long prompt: drafting steps had put a verify row at
+    9.2 ms and a verify of one draft at 15.2 (the line is learned from drafting steps alone), so the
+    bound of a plain step, one draft less a row, held plain steps of 19 ms at 7.5 (half start-up's
+    cheapest). No match could pay against that, no step drafted again, and nothing corrected the
+    line. Sixteen plain steps in a row above the bound raise the line to meet them."""
+    costs = StepCosts()
+    costs.expect(verify={0: 0.0150, 1: 0.0193, 2: 0.0236, 3: 0.0280, 4: 0.0323})
+    for k in [4, 1] * 6:  # a long prompt's drafting steps: 9.2 ms a row
+        costs.observe(k, 0.0, 0.0060 + 0.0092 * k)
+    assert costs.verify_cost(1) == pytest.approx(0.0152, abs=0.0005)
+    costs.observe(0, 0.0, 0.019)
+    assert costs.verify_cost(0) == pytest.approx(0.0075)  # the bound: one plain step does not move the line
+    for _ in range(adaptive.STALE_PLAIN_STEPS):
+        costs.observe(0, 0.0, 0.019)
+    assert costs.verify_cost(0) == pytest.approx(0.019, rel=0.02)
+    assert costs.verify_cost(1) - costs.verify_cost(0) == pytest.approx(0.0092, rel=0.02)  # a row more
+    assert expected_tokens(0.85, 4) / costs.verify_cost(4) > 1 / costs.verify_cost(0)  # a long match pays again
+
+
 def test_start_up_times_every_k_after_a_chat_turns_context():
     """Each verify row attends to every cached token: timed from an empty cache a row cost half what
     it does in a chat turn, and the first request drafted at that price. The context is read once,
