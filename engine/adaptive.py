@@ -128,10 +128,13 @@ class StepCosts:
 
     def _meet_plain_steps(self) -> None:
         """Raise the line over drafting steps where STALE_PLAIN_STEPS plain steps in a row averaged above a
-        verify of one draft less a row, the most ``plain_price`` lets a plain step cost. The line and its
-        slope are learned from drafting steps alone: after a long prompt had put a row at 9.2 ms (float32
-        on a Zen 3 host), the cap priced plain steps of 15-20 ms at 7.4, no step drafted again, and none
-        corrected the line. One cold plain step is still held to the cap; a host slower for good is met."""
+        verify of one draft less a row, the bound ``plain_price`` holds a plain step to (its floor, half
+        the cheapest start-up price, aside: a plain step above the bound but under that floor counts too,
+        and the raised line then prices a plain step below a verify of one draft, as it should). The
+        line and its slope are learned from drafting steps alone: after a long prompt had put a row at
+        9.2 ms (float32 on a Zen 3 host), the cap priced plain steps of 15-20 ms at 7.4, no step drafted
+        again, and none corrected the line. One cold plain step is still held to the cap; a host slower
+        for good is met."""
         if self._base != 1 or self.plain is None:
             return  # no line over drafting steps
         short = self.plain - (self._line(1) + (self.shift or 0.0) - self._slope())
