@@ -29,6 +29,10 @@ class EngineDead(RuntimeError):
     pass
 
 
+class DeadlinePassed(TimeoutError):
+    """The request's deadline came before its last output."""
+
+
 class EngineClosed(RuntimeError):
     """The engine's client ended this request: the server is shutting down."""
 
@@ -124,8 +128,9 @@ class AsyncEngine:
             "store_restored_tokens": store.restored_tokens,
         }
 
-    async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
-        """Queue ``request`` and yield its outputs; leaving early aborts it."""
+    async def generate(self, request: Request, deadline: float | None = None) -> AsyncIterator[StepOutput]:
+        """Queue ``request`` and yield its outputs; leaving early aborts it. Past ``deadline``
+        (``time.monotonic()``, waiting for a slot included), ``DeadlinePassed`` is raised instead."""
         if not self.alive:
             raise EngineDead("the engine thread is not running")
         job = _Job(request, asyncio.get_running_loop())
@@ -134,6 +139,12 @@ class AsyncEngine:
         if self._dead:  # it died between the check above and the put: nobody will take the job
             self._jobs.pop(request.request_id, None)
             raise EngineDead("the engine thread is not running")
+        # One timer a request puts the deadline into its queue, where the outputs arrive: wrapping each
+        # awaited output in asyncio.wait_for instead starts a task per output, the event loop's time a
+        # token that a 2-core host takes from its decoding threads (docs/internals.md#the-event-loops-share).
+        expired = DeadlinePassed("the request's deadline passed")
+        delay = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timer = None if delay is None else job.loop.call_later(delay, job.outputs.put_nowait, expired)
         finished = False
         try:
             while not finished:
@@ -143,6 +154,8 @@ class AsyncEngine:
                 finished = item.finish_reason is not None
                 yield item
         finally:
+            if timer is not None:
+                timer.cancel()
             if not finished:
                 job.abort()
             self._jobs.pop(request.request_id, None)

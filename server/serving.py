@@ -4,7 +4,6 @@ metrics and usage."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -14,7 +13,7 @@ from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.async_engine import AsyncEngine, EngineClosed, EngineDead
+from engine.async_engine import AsyncEngine, DeadlinePassed, EngineClosed, EngineDead
 from engine.config import ConfigError
 from engine.request import PromptTooLong, Request, StepOutput, TokenLogprob
 from engine.sampling import SamplingError, SamplingParams
@@ -218,10 +217,10 @@ class ServingCore:
         waiting: list[TokenPiece] = []  # tokens that released no text yet (part of a character, or held back)
         token_ids: list[int] = []  # the output, up to a stop string
         sent = 0  # how many of them went out with a delta
-        outputs = self.engine.generate(choice.request)
+        outputs = self.engine.generate(choice.request, choice.deadline)
         try:
             while True:
-                output = await self._next_output(outputs, choice.deadline)
+                output = await anext(outputs, None)
                 if output is None:
                     return
                 pieces = self._pieces(text, output)
@@ -255,6 +254,10 @@ class ServingCore:
                 sent = len(token_ids)
                 yield TextDelta(tail, pieces, finish, output, completion_tokens, prompt_logprobs)
                 return
+        except DeadlinePassed:
+            raise RequestTimeout(
+                f"the request did not finish within the server's request timeout ({self.request_timeout:g} s)"
+            ) from None
         except EngineDead as exc:
             raise EngineUnavailable(str(exc)) from exc
         except EngineClosed as exc:
@@ -266,17 +269,6 @@ class ServingCore:
         finally:
             await outputs.aclose()  # leaving early (stop string, disconnect) aborts the request
             self.engine.remember(choice.request.tenant, token_ids[:sent], choice.request.request_id)
-
-    async def _next_output(self, outputs: AsyncIterator[StepOutput], deadline: float | None) -> StepOutput | None:
-        """The engine's next output, or None at the end; past the deadline, a RequestTimeout."""
-        if deadline is None:
-            return await anext(outputs, None)
-        try:
-            return await asyncio.wait_for(anext(outputs, None), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
-            raise RequestTimeout(
-                f"the request did not finish within the server's request timeout ({self.request_timeout:g} s)"
-            ) from None
 
     def _observe(self, output: StepOutput, gap: float, first: bool) -> None:
         if output.step is not None:
