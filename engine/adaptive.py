@@ -58,9 +58,13 @@ class StepCosts:
     ms against 4.4, replaced start-up's reading and priced plain decoding above a verify of one draft,
     so every later step drafted, and none corrected the price).
 
-    All of these price a step at start-up's context (the anchor); a step at another (``at``) costs its
-    rows times the tokens between times a slope (``ContextSlope``, one for plain steps and one for
-    verifies) more, and is learned from as it would have cost at the anchor. Where a host's caches do
+    All of these price a step at start-up's context (the anchor); a step at another (``at``) costs the
+    tokens between times a slope more (``ContextSlope``): a plain step's slope once, whatever its rows,
+    and a drafted row's for each draft, and is learned from as it would have cost at the anchor. Most
+    of a step's growth is shared by its rows (the int8 target on a Zen 3 host: 2.4 us a cached token
+    a plain step, 0.65 more a drafted row); slopes of every row alike, fitted to verifies of mostly four
+    drafts, priced one draft a millisecond low over a long context and four drafts as much high, so
+    the row read between them after a long prompt fell by more than half. Where a host's caches do
     not hold a long context (a Zen 3 EPYC, int8: a four-draft verify 12 ms after 150 tokens, 26 after
     1,560), one shift for every context, learned over a long prompt, priced one draft at 20 ms in the
     short requests after it, where it cost 7.5, and they seldom drafted until it faded."""
@@ -94,15 +98,19 @@ class StepCosts:
         self.context = context
 
     def _beyond(self, k: int) -> float:
-        """What a step of k drafts costs more at this context than at the anchor: its k + 1 rows each
-        attend to the tokens between, at the slope its kind's live steps show (0 until they spread)."""
-        return self.by_context[k > 0].slope * (k + 1) * (self.context - self.anchor)
+        """What a step of k drafts costs more at this context than at the anchor, for the tokens between:
+        once a step, whatever its rows, as a plain step (its slope), and for each drafted row (the
+        verifies' slope). Each is 0 until its steps' contexts spread."""
+        step, row = self.by_context
+        return (step.slope + row.slope * k) * (self.context - self.anchor)
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
         if self.from_line and k in self.verify:  # learned as the step would have cost at the anchor
-            self.by_context[k > 0].add(
-                (k + 1) * (self.context - self.anchor), verify_seconds - (self._line(k) if k else 0.0)
-            )
+            between = self.context - self.anchor
+            if k:  # the drafted rows' part: what the step cost beyond its line and a plain step's growth
+                self.by_context[1].add(k * between, verify_seconds - self._line(k) - self.by_context[0].slope * between)
+            else:
+                self.by_context[0].add(between, verify_seconds)
             verify_seconds -= self._beyond(k)
         if self.from_line and k == 0:
             self.plain = _update(self.plain, verify_seconds)
@@ -179,10 +187,11 @@ class StepCosts:
 
 @dataclass(slots=True)
 class ContextSlope:
-    """How a kind of step's seconds grow with its rows times the cached tokens beyond the anchor (x):
-    a least-squares slope over its live steps, each fading the ones before by CONTEXT_DECAY, of
-    their seconds less what their k costs at the anchor (y); 0 until their contexts spread by
-    MIN_CONTEXT_SPREAD tokens a row, and never below 0."""
+    """How a kind of step's seconds grow with the cached tokens beyond the anchor, for a verify's drafted
+    rows times those tokens (x): a least-squares slope over its live steps, each fading the ones before
+    by CONTEXT_DECAY, of their seconds less what their k costs at the anchor (and for a verify, less a
+    plain step's growth) (y); 0 until their contexts spread by MIN_CONTEXT_SPREAD tokens a row, and
+    never below 0."""
 
     sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # faded: weight, x, y, x x, x y
     slope: float = 0.0

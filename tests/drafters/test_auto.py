@@ -561,8 +561,8 @@ def test_live_steps_replace_the_start_up_lines_slope_with_the_one_they_show():
 
 
 def long_then_short(costs: StepCosts) -> None:
-    """Requests of short and of long contexts in turn, each step at its true cost: each row attends to
-    every cached token (2 us a token a verify row, 3 us a plain step's), the last request a long one."""
+    """Requests of short and of long contexts in turn, each step at its true cost (``true_cost``), the
+    last request a long one."""
     costs.expect(verify={0: 0.0045, 1: 0.0055, 2: 0.0063, 3: 0.0071, 4: 0.0079}, context=256)
     steps = [0, 4, 0, 2, 1, 4, 0, 3, 0, 4, 2, 0, 1, 4, 0, 0, 4, 3, 0, 2]
     for start in (150, 1500, 300, 1200, 200, 1560):
@@ -572,7 +572,9 @@ def long_then_short(costs: StepCosts) -> None:
 
 
 def true_cost(k: int, context: int) -> float:
-    return 0.0045 + 3e-6 * (context - 256) if k == 0 else 0.0047 + 0.0008 * k + 2e-6 * (k + 1) * (context - 256)
+    """As the int8 target's verifies grew on a Zen 3 host between 256 and 1,560 cached tokens: 2.4 us a
+    token a step, whatever its rows (reading the cached keys and values), and 0.65 us more a drafted row."""
+    return (0.0045 if k == 0 else 0.0047 + 0.0008 * k) + (2.4e-6 + 0.65e-6 * k) * (context - 256)
 
 
 def test_verify_prices_follow_the_steps_context(monkeypatch):
@@ -580,7 +582,9 @@ def test_verify_prices_follow_the_steps_context(monkeypatch):
     tokens where it cost 12 after 150 (a Zen 3 EPYC, int8). One shift for every context, learned over
     a long prompt, then priced one draft at 20 ms in the short requests after it, where it costs 7.5,
     and they seldom drafted. A slope by context, learned as the steps' contexts spread, prices each
-    step at its own context, short after long and long after short."""
+    step at its own context, short after long and long after short. Most of a step's growth is shared
+    by its rows: slopes of every row alike priced one draft 1.3 ms high in the short request after a
+    long one, and read a row at 0.3 ms where it costs 0.8."""
     costs = StepCosts()
     long_then_short(costs)
     for context in (200, 1600):
@@ -590,7 +594,7 @@ def test_verify_prices_follow_the_steps_context(monkeypatch):
     one_shift = StepCosts()
     long_then_short(one_shift)
     one_shift.at(200)
-    assert one_shift.verify_cost(1) - true_cost(1, 200) > 0.003
+    assert one_shift.verify_cost(1) - true_cost(1, 200) > 0.0025
 
 
 def test_a_requests_first_verify_which_reads_the_prompt_is_not_timed():
