@@ -25,7 +25,7 @@ from .model.prefix_store import BLOCK, PrefixStore, positional
 from .model.slots import Slot, SlotTable
 from .outputs import OutputCache
 from .request import EngineDescription, Request, StepOutput, TokenLogprob, check_fits
-from .sampling import RequestSampler
+from .sampling import RequestSampler, all_finite
 from .spec import greedy_verdict, keyed_tokens, rejection_sample
 from .stats import DrafterSpeeds, SpecStats, StepRecord
 
@@ -317,14 +317,13 @@ class SpecEngine:
         drafted = time.perf_counter()
         # 2. The target scores the pending token(s) and all k drafts in one forward pass. The drafts
         # stay on the device: the verdict below is the step's one transfer to the host.
-        pending = self.target.upload(tokens[self.target.cache.length :])  # [P]
-        logits = self.target.extend(torch.cat([pending, proposal.token_ids]), num_logits=k + 1)  # [k+1, V]
+        scored = self.target.upload(tokens[self.target.cache.length :])  # [P] pending
+        scored = torch.cat([scored, proposal.token_ids]) if k else scored  # [P+k]
+        logits = self.target.extend(scored, num_logits=k + 1)  # [k+1, V]
         if self.logits_hook is not None:
             logits = self.logits_hook(seq.request, seq.stats.target_forwards, logits)
-        # NaN or inf anywhere in the logits poisons all of p, which the sampler then refuses (no extra
-        # sync). The extremes tell (NaN propagates through min and max) in one pass, several times
-        # cheaper on CPU than isfinite().all(); not a sum, which overflows over 49k float16 logits.
-        finite = torch.isfinite(torch.stack(torch.aminmax(logits))).all()  # []
+        # NaN or inf anywhere in the logits poisons all of p, which the sampler then refuses (no extra sync)
+        finite = all_finite(logits)  # []
         # 3. Accept a prefix of the drafts, then resample at the first rejection or add a bonus token
         # (at temperature 0, p is one-hot: the same verdict from the target's tokens alone). A seeded
         # request keeps the drafts that equal the target's own draws, each at its position's keyed

@@ -211,6 +211,17 @@ class RequestSampler:
         return logits.index_copy(1, ids, moved)  # [T, V]
 
 
+def all_finite(logits: torch.Tensor) -> torch.Tensor:
+    """[] bool: whether ``logits`` hold no NaN or inf, read from their extremes (NaN propagates through
+    min and max), in one pass: several times cheaper on a CPU than isfinite().all(), and not a sum,
+    which overflows over 49k float16 logits. On a CPU by numpy: two reductions where torch took five
+    small ops, 119-147 us right after a forward (its caches cold) on a 2-core host, against about 30."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float16, torch.float32, torch.float64):
+        values = logits.numpy()
+        return torch.tensor(bool(np.isfinite(values.min()) and np.isfinite(values.max())))
+    return torch.isfinite(torch.stack(torch.aminmax(logits))).all()
+
+
 def first_largest(logits: torch.Tensor) -> torch.Tensor:
     """logits [T, V] -> [T] int64: each row's first largest id (a NaN counts as largest), as ``argmax``.
     On a CPU by numpy: torch's took 71 us over a 49k row on a 2-core host, numpy's 4 (a greedy step's

@@ -112,9 +112,11 @@ def test_the_greedy_verdict_is_the_rejection_samplers_on_one_hot_targets_whateve
         cutoff = torch.tensor(int(torch.randint(0, k + 1, (), generator=g))) if seed % 3 == 0 else None
         p = torch.eye(vocab)[target_tokens]  # [k+1, V]
         expected = rejection_sample(drafts, q, p, gen(seed + 1000), cutoff)
-        assert greedy_verdict(drafts, target_tokens, torch.tensor(True), cutoff) == expected
+        for on_host in (True, False):  # read from host lists (a CPU), or by the device's ops
+            assert greedy_verdict(drafts, target_tokens, torch.tensor(True), cutoff, on_host) == expected
 
 
-def test_the_greedy_verdict_refuses_non_finite_logits():
+@pytest.mark.parametrize("on_host", [True, False])
+def test_the_greedy_verdict_refuses_non_finite_logits(on_host):
     with pytest.raises(NonFiniteProbabilities):
-        greedy_verdict(torch.tensor([1]), torch.tensor([1, 2]), torch.tensor(False))
+        greedy_verdict(torch.tensor([1]), torch.tensor([1, 2]), torch.tensor(False), on_host=on_host)
