@@ -21,7 +21,7 @@ ALPHA_PRIOR = 0.7
 ROW_READINGS = 15  # the latest per-row verify costs between consecutive live steps kept (StepCosts)
 MIN_ROW_READINGS = 5  # how many it takes to replace the start-up line's slope
 CONTEXT_DECAY = 0.995  # each live step of a kind fades the earlier evidence of how its cost grows with context
-MIN_CONTEXT_SPREAD = 128.0  # cached tokens a row: how far steps' contexts must spread to learn a slope from them
+MIN_CONTEXT_SPREAD = 128.0  # cached tokens: how far steps' contexts must spread to learn a slope from them
 STALE_PLAIN_STEPS = 16  # plain steps in a row above the line's bound after which the line is raised to meet them
 
 
@@ -102,15 +102,16 @@ class StepCosts:
         once a step, whatever its rows, as a plain step (its slope), and for each drafted row (the
         verifies' slope). Each is 0 until its steps' contexts spread."""
         step, row = self.by_context
-        return (step.slope + row.slope * k) * (self.context - self.anchor)
+        per_step = step.slope()
+        return (per_step + (row.slope(per_step) * k if k else 0.0)) * (self.context - self.anchor)
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
         if self.from_line and k in self.verify:  # learned as the step would have cost at the anchor
             between = self.context - self.anchor
-            if k:  # the drafted rows' part: what the step cost beyond its line and a plain step's growth
-                self.by_context[1].add(k * between, verify_seconds - self._line(k) - self.by_context[0].slope * between)
+            if k:  # the drafted rows' part: what the step cost beyond its line, less a plain step's growth
+                self.by_context[1].add(k * between, verify_seconds - self._line(k), between)
             else:
-                self.by_context[0].add(between, verify_seconds)
+                self.by_context[0].add(between, verify_seconds, between)
             verify_seconds -= self._beyond(k)
         if self.from_line and k == 0:
             self.plain = _update(self.plain, verify_seconds)
@@ -189,20 +190,28 @@ class StepCosts:
 class ContextSlope:
     """How a kind of step's seconds grow with the cached tokens beyond the anchor, for a verify's drafted
     rows times those tokens (x): a least-squares slope over its live steps, each fading the ones before
-    by CONTEXT_DECAY, of their seconds less what their k costs at the anchor (and for a verify, less a
-    plain step's growth) (y); 0 until their contexts spread by MIN_CONTEXT_SPREAD tokens a row, and
-    never below 0."""
+    by CONTEXT_DECAY, of their seconds less what their k costs at the anchor (y); for a verify, of y less
+    a plain step's growth over those tokens (z) at the plain steps' slope as it is when asked, not as it
+    was when each step came (over a long prompt's first steps it was still 0, and the rows took a
+    plain step's growth for theirs: 2.1-2.4 us a token a row where 0.65 was measured). 0 until their
+    contexts spread by MIN_CONTEXT_SPREAD tokens, and never below 0."""
 
-    sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # faded: weight, x, y, x x, x y
-    slope: float = 0.0
+    # faded: weight, x, y, x x, x y, z, x z, z z
+    sums: tuple[float, float, float, float, float, float, float, float] = (0.0,) * 8
 
-    def add(self, x: float, y: float) -> None:
-        weight, xs, ys, xxs, xys = (CONTEXT_DECAY * total for total in self.sums)
-        weight, xs, ys, xxs, xys = weight + 1.0, xs + x, ys + y, xxs + x * x, xys + x * y
-        self.sums = (weight, xs, ys, xxs, xys)
+    def add(self, x: float, y: float, z: float) -> None:
+        """A step: x as above, y its seconds less its k's price at the anchor, z its tokens beyond the anchor."""
+        weight, xs, ys, xxs, xys, zs, xzs, zzs = (CONTEXT_DECAY * total for total in self.sums)
+        self.sums = (weight + 1.0, xs + x, ys + y, xxs + x * x, xys + x * y, zs + z, xzs + x * z, zzs + z * z)
+
+    def slope(self, less: float = 0.0) -> float:
+        """Seconds per x of y less ``less`` times z; 0 until the steps' contexts (z, not x, which a
+        verify's k spreads at one context) spread."""
+        weight, xs, ys, xxs, xys, zs, xzs, zzs = self.sums
+        if not weight or zzs - zs * zs / weight < weight * MIN_CONTEXT_SPREAD**2:
+            return 0.0
         spread = xxs - xs * xs / weight  # weight times the variance of x
-        if spread >= weight * MIN_CONTEXT_SPREAD**2:
-            self.slope = max((xys - xs * ys / weight) / spread, 0.0)
+        return max((xys - less * xzs - xs * (ys - less * zs) / weight) / spread, 0.0) if spread > 0.0 else 0.0
 
 
 def beats_plain(alpha: float, limit: int, drafting: StepCosts, verify: StepCosts) -> bool:
