@@ -82,8 +82,10 @@ class StepCosts:
     capped: int = 0  # plain steps in a row whose average the line's bound held down (``_meet_plain_steps``)
     anchor: int = 0  # the cached tokens start-up timed its line after: the fields above price a step there
     context: int = 0  # the cached tokens of the step priced, then observed, now (``at``)
-    # seconds a row costs more per cached token beyond the anchor, a plain step's and a verify's
+    # how a step's seconds grow with the cached tokens beyond the anchor: a plain step's, a verify's drafted rows'
     by_context: tuple[ContextSlope, ContextSlope] = field(default_factory=lambda: (ContextSlope(), ContextSlope()))
+    # their slopes, a step's and a drafted row's, as of the last step (``_beyond`` asks several times a step)
+    growth: tuple[float, float] = (0.0, 0.0)
 
     def expect(self, draft: float | None = None, verify: dict[int, float] | None = None, context: int = 0) -> None:
         """Start-up timings, for what has no live measurement yet: the first request then need not
@@ -101,9 +103,8 @@ class StepCosts:
         """What a step of k drafts costs more at this context than at the anchor, for the tokens between:
         once a step, whatever its rows, as a plain step (its slope), and for each drafted row (the
         verifies' slope). Each is 0 until its steps' contexts spread."""
-        step, row = self.by_context
-        per_step = step.slope()
-        return (per_step + (row.slope(per_step) * k if k else 0.0)) * (self.context - self.anchor)
+        per_step, per_row = self.growth
+        return (per_step + per_row * k) * (self.context - self.anchor)
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float) -> None:
         if self.from_line and k in self.verify:  # learned as the step would have cost at the anchor
@@ -112,6 +113,8 @@ class StepCosts:
                 self.by_context[1].add(k * between, verify_seconds - self._line(k), between)
             else:
                 self.by_context[0].add(between, verify_seconds, between)
+            per_step = self.by_context[0].slope()
+            self.growth = (per_step, self.by_context[1].slope(per_step))
             verify_seconds -= self._beyond(k)
         if self.from_line and k == 0:
             self.plain = _update(self.plain, verify_seconds)
