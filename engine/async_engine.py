@@ -142,9 +142,10 @@ class AsyncEngine:
         # One timer a request puts the deadline into its queue, where the outputs arrive: wrapping each
         # awaited output in asyncio.wait_for instead starts a task per output, 23-27 us of the event loop's
         # time each on a 2-core host, which it takes from the decoding threads (docs/internals.md#the-event-loops-share).
-        expired = DeadlinePassed("the request's deadline passed")
-        delay = None if deadline is None else max(0.0, deadline - time.monotonic())
-        timer = None if delay is None else job.loop.call_later(delay, job.outputs.put_nowait, expired)
+        timer = None
+        if deadline is not None:
+            expired = DeadlinePassed("the request's deadline passed")
+            timer = job.loop.call_later(max(0.0, deadline - time.monotonic()), job.outputs.put_nowait, expired)
         finished = False
         try:
             while not finished:
