@@ -52,7 +52,7 @@ lint: install
 	$(BIN)/ruff format --check engine server tests bench
 
 bench: install
-	$(BIN)/python bench/speed.py --update-readme --repeats 3 --sampled-repeats 6 $(ARGS)
+	$(BIN)/python bench/speed.py --update-readme --repeats 3 --sampled-repeats 6 --in-process none $(ARGS)
 	$(BIN)/python bench/conversations.py
 
 bench-quick: install

@@ -11,6 +11,7 @@ TARGET_ONLY = "serve:none"
 DEFAULT = "serve:default"
 HF_GENERATE = "hf:generate"
 LLAMA_CPP = "llama.cpp"
+ENGINE_TARGET_ONLY = "engine:none"  # the target alone in this process (--in-process none)
 # a second server on the same file with the activations the first did not take, up beside it:
 # "serve-float32:none" beside a server that took int8, "serve-int8:none" beside one that took float32
 OTHER = "serve-"
@@ -192,6 +193,9 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         if LLAMA_CPP in metrics:
             entry["default_vs_llama_cpp"] = round(default / _speed(metrics, LLAMA_CPP), 3)
             entry["target_only_vs_llama_cpp"] = round(own / _speed(metrics, LLAMA_CPP), 3)
+            if ENGINE_TARGET_ONLY in metrics:  # like for like: llama.cpp's runs, too, are in this process
+                in_process = _speed(metrics, ENGINE_TARGET_ONLY) / _speed(metrics, LLAMA_CPP)
+                entry["in_process_target_only_vs_llama_cpp"] = round(in_process, 3)
         entry |= _other_ratios(metrics, own)
         goals = GOALS if kind in GOAL_TWO_X_TYPES else {k: v for k, v in GOALS.items() if k != "best_vs_target_only"}
         entry["met"] = {name: entry[name] >= goal for name, goal in goals.items() if name in entry}
@@ -202,7 +206,8 @@ def _targets(results: dict[str, dict[str, dict]]) -> dict:
         targets["all"] = {"default_vs_target_only_geomean": geomean, "met": geomean >= GOAL_DEFAULT_GEOMEAN}
         other = _other_activations(results)
         ratios = [f"{other}_{name}" for name in OTHER_RATIOS] if other else []
-        for name in ("default_vs_llama_cpp", "target_only_vs_llama_cpp", *ratios):  # the same file, threads
+        llama = ("default_vs_llama_cpp", "target_only_vs_llama_cpp", "in_process_target_only_vs_llama_cpp")
+        for name in (*llama, *ratios):  # the same file, threads
             if all(name in entry for entry in by_type):
                 targets["all"][f"{name}_geomean"] = round(statistics.geometric_mean([e[name] for e in by_type]), 3)
     return targets
@@ -371,6 +376,12 @@ def summary(report: dict, full_tables: str) -> str:
             "Over llama.cpp on the same GGUF file and threads, geometric mean: target-only "
             f"{every['target_only_vs_llama_cpp_geomean']:.2f}x, default {every['default_vs_llama_cpp_geomean']:.2f}x.",
         ]
+        if "in_process_target_only_vs_llama_cpp_geomean" in every:  # llama.cpp's rows have no HTTP layer
+            lines[-1] += (
+                " llama.cpp runs in this process (llama-cpp-python), with no server between; so does "
+                f"`{ENGINE_TARGET_ONLY}`, the same target without specserve's: "
+                f"{every['in_process_target_only_vs_llama_cpp_geomean']:.2f}x llama.cpp."
+            )
     every = targets.get("all", {})
     other = _other_activations(results)
     if other and f"{other}_target_only_vs_target_only_geomean" in every:

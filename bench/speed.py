@@ -1,6 +1,6 @@
 """specserve against Hugging Face transformers on the same model, machine and prompts.
 
-    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats, 6 sampled (~22 min)
+    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats, 6 sampled (~36 min)
     make bench-quick    # one prompt per type, one repeat, 64 tokens
 
 Configurations, run in interleaved order so machine noise hits all alike (each round starting one
@@ -14,7 +14,8 @@ configuration further on, so none always runs right after the same other one):
   server that took int8; serve-int8:* beside one that took float32), started once the first is ready
   and then up beside it: the int8 and float32 targets side by side, their greedy outputs each
   checked against their own target-only;
-  engine:<drafter>[+adaptive], the engine in this process, to price the HTTP layer.
+  engine:<drafter>[+adaptive], the engine in this process, to price the HTTP layer (make bench runs
+  engine:none: the target alone without the server, as llama.cpp's rows run, for a like-for-like ratio).
 Prompt types agentic and multi-turn are conversations run turn by turn, each turn's request
 carrying the assistant turns that configuration generated before; each configuration sends its
 own ``user``, so what the server keeps across requests (the suffix cache) never crosses them.

@@ -222,11 +222,13 @@ def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
             "llama.cpp": [_run(11, 0.25, "a")],  # 40
             "serve:none": [_run(11, 0.5, "a", forwards=10)],  # 20
             "serve:default": [_run(11, seconds, "a", forwards=5)],
+            "engine:none": [_run(11, 0.2, "a", forwards=10)],  # 50: the target alone in process, as llama.cpp
         }
         for kind, seconds in (("chat", 0.5), ("code", 0.125))  # default 20 and 80
     }
     report = summarise([], runs, bound_s=0.01)
     assert report["targets"]["chat"]["target_only_vs_llama_cpp"] == 0.5
+    assert report["targets"]["chat"]["in_process_target_only_vs_llama_cpp"] == 1.25
     assert [report["targets"][kind]["default_vs_llama_cpp"] for kind in ("chat", "code")] == [0.5, 2.0]
     every = report["targets"]["all"]
     assert every["target_only_vs_llama_cpp_geomean"] == 0.5 and every["default_vs_llama_cpp_geomean"] == 1.0
@@ -234,6 +236,8 @@ def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
     short = summary(full, "x.md")
     assert "| chat | 10.0 | 10.0 (generate) | 40.0 | 20.0 | 20.0 |" in short
     assert "geometric mean: target-only 0.50x, default 1.00x" in short
+    assert "so does `engine:none`, the same target without specserve's: 1.25x llama.cpp." in short
+    assert every["in_process_target_only_vs_llama_cpp_geomean"] == 1.25
     assert "serve:model: not measured; the server refused it (no draft kept)" in short
 
 
