@@ -379,7 +379,7 @@ def summary(report: dict, full_tables: str) -> str:
         if "in_process_target_only_vs_llama_cpp_geomean" in every:  # llama.cpp's rows have no HTTP layer
             lines[-1] += (
                 " llama.cpp runs in this process (llama-cpp-python), with no server between; so does "
-                f"`{ENGINE_TARGET_ONLY}`, the same target without specserve's: "
+                f"`{ENGINE_TARGET_ONLY}`, specserve's engine without its server: "
                 f"{every['in_process_target_only_vs_llama_cpp_geomean']:.2f}x llama.cpp."
             )
     every = targets.get("all", {})

@@ -1,6 +1,6 @@
 """specserve against Hugging Face transformers on the same model, machine and prompts.
 
-    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats, 6 sampled (~36 min)
+    make bench          # every configuration, every prompt of bench/prompts.yaml, 3 repeats, 6 sampled (~40 min)
     make bench-quick    # one prompt per type, one repeat, 64 tokens
 
 Configurations, run in interleaved order so machine noise hits all alike (each round starting one

@@ -236,7 +236,7 @@ def test_llama_cpp_ratios_and_their_geometric_means_reach_the_summary():
     short = summary(full, "x.md")
     assert "| chat | 10.0 | 10.0 (generate) | 40.0 | 20.0 | 20.0 |" in short
     assert "geometric mean: target-only 0.50x, default 1.00x" in short
-    assert "so does `engine:none`, the same target without specserve's: 1.25x llama.cpp." in short
+    assert "so does `engine:none`, specserve's engine without its server: 1.25x llama.cpp." in short
     assert every["in_process_target_only_vs_llama_cpp_geomean"] == 1.25
     assert "serve:model: not measured; the server refused it (no draft kept)" in short
 
