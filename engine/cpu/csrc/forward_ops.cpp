@@ -5,11 +5,12 @@
 // At a decode step each reads and writes a few KB, so what they save is the launches (a norm is
 // about eight, a layer about forty), not arithmetic.
 //
-// Every op splits its work between threads by whole rows (a token's), never inside one, and computes
-// a row by the same instructions whatever rows come with it: a position's values are the same bits
-// in a prompt pass, a decode step or a verify, at any thread count. torch's silu splits a tensor by
-// elements, and the tail of each thread's share goes through scalar exp instead of the vector one,
-// so where the split falls (the thread count and the number of rows decide it) moved the last bit.
+// Every op splits its work between threads by whole rows (a token's), never inside one (the gate's
+// elements, each alone, by pieces of a row), and computes a row by the same instructions whatever rows
+// come with it: a position's values are the same bits in a prompt pass, a decode step or a verify,
+// at any thread count. torch's silu splits a tensor by elements, and the tail of each thread's share
+// goes through scalar exp instead of the vector one, so where the split falls (the thread count and
+// the number of rows decide it) moved the last bit.
 //
 // rotate rounds as the eager ops do: no contraction into fused multiply-adds (the
 // pragma below), so a*b + c*d is two rounded products and a rounded sum, as torch's mul, mul and
@@ -95,7 +96,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, cons
 }
 
 // gate_up [..., 2I] (each row the gate's I values, then up's) -> silu(gate) * up [..., I], as
-// gate / (1 + exp(-gate)) * up, element by element by libm's expf; a row is one task's
+// gate / (1 + exp(-gate)) * up, element by element by libm's scalar expf, so an element's value does
+// not depend on which task computes it: a task is kSiluPiece elements of a row. (A row a task, a
+// decode step's one row ran on one thread, 3% of its time on a Zen 3 host, while the other waited;
+// a verify's few rows were one task too, by the grain.)
+constexpr int64_t kSiluPiece = 256;
+
 at::Tensor silu_gate(const at::Tensor& gate_up) {
   check_float(gate_up, "gate_up");
   const int64_t width = gate_up.size(-1), inner = width / 2;
@@ -106,11 +112,14 @@ at::Tensor silu_gate(const at::Tensor& gate_up) {
   at::Tensor out = at::empty(sizes, input.options());
   const float* in = input.data_ptr<float>();
   float* dest = out.data_ptr<float>();
-  at::parallel_for(0, input.numel() / std::max<int64_t>(1, width), grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
+  const int64_t pieces = (inner + kSiluPiece - 1) / kSiluPiece;  // a row's
+  // expf takes a few ns an element: one piece is worth a thread (grain 1), where a norm's row is not
+  at::parallel_for(0, input.numel() / std::max<int64_t>(1, width) * pieces, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / pieces, first = task % pieces * kSiluPiece, last = std::min(first + kSiluPiece, inner);
       const float *gate = in + row * width, *up = gate + inner;
       float* d = dest + row * inner;
-      for (int64_t i = 0; i < inner; ++i) d[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+      for (int64_t i = first; i < last; ++i) d[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
   });
   return out;
