@@ -23,6 +23,7 @@ MIN_ROW_READINGS = 5  # how many it takes to replace the start-up line's slope
 CONTEXT_DECAY = 0.995  # each live step of a kind fades the earlier evidence of how its cost grows with context
 MIN_CONTEXT_SPREAD = 128.0  # cached tokens: how far steps' contexts must spread to learn a slope from them
 STALE_PLAIN_STEPS = 16  # plain steps in a row above the line's bound after which the line is raised to meet them
+TRUSTED_PLAIN_STEPS = 8  # live plain steps after which their average prices a plain step, up to a verify of one draft
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -53,10 +54,14 @@ class StepCosts:
     looked cheaper than it was. Consecutive steps read nearly the same context, and a median is not
     moved by one slow reading (a busy host), as a least-squares slope would be. A k the policy seldom
     picks is priced from what the others measure, and one slow reading cannot keep its k from being
-    tried again. Nor can one slow plain step keep plain decoding from being chosen again: a plain step
-    is never priced above a verify of one draft less a row (a fresh process's first sampled step, 6.9
-    ms against 4.4, replaced start-up's reading and priced plain decoding above a verify of one draft,
-    so every later step drafted, and none corrected the price).
+    tried again. Nor can one slow plain step keep plain decoding from being chosen again: until
+    TRUSTED_PLAIN_STEPS live plain steps are seen, a plain step is never priced above a verify of one
+    draft less a row (a fresh process's first sampled step, 6.9 ms against 4.4, replaced start-up's
+    reading and priced plain decoding above a verify of one draft, so every later step drafted, and
+    none corrected the price). From then on their average is the price, at most a verify of one
+    draft: where each further row costs more than the first drafted one (the int8 target on a Zen 3
+    host: 1.3 ms, then 1.4-1.7), the bound held plain steps 0.4-0.6 ms under what they took, and the
+    offers after a one-token match were declined where they paid.
 
     All of these price a step at start-up's context (the anchor); a step at another (``at``) costs the
     tokens between times a slope more (``ContextSlope``): a plain step's slope once, whatever its rows,
@@ -80,6 +85,7 @@ class StepCosts:
     mean_k: float | None = None  # the k of the live steps the shift was learned from, on average
     plain: float | None = None  # a plain step's live seconds (k = 0): priced apart from the line over k >= 1
     capped: int = 0  # plain steps in a row whose average the line's bound held down (``_meet_plain_steps``)
+    plain_steps: int = 0  # live plain steps observed: from TRUSTED_PLAIN_STEPS on, their average is the price
     anchor: int = 0  # the cached tokens start-up timed its line after: the fields above price a step there
     context: int = 0  # the cached tokens of the step priced, then observed, now (``at``)
     # how a step's seconds grow with the cached tokens beyond the anchor: a plain step's, a verify's drafted rows'
@@ -117,7 +123,7 @@ class StepCosts:
             self.growth = (per_step, self.by_context[1].slope(per_step))
             verify_seconds -= self._beyond(k)
         if self.from_line and k == 0:
-            self.plain = _update(self.plain, verify_seconds)
+            self.plain, self.plain_steps = _update(self.plain, verify_seconds), self.plain_steps + 1
             self._meet_plain_steps()
         elif self.from_line and k in self.verify:
             self.capped = 0
@@ -182,6 +188,8 @@ class StepCosts:
             plain = (self.verify[0] if self.plain is None else self.plain) + self._beyond(0)
             if len(self.verify) == 1:  # no drafts to price it against
                 return plain
+            if self.plain_steps >= TRUSTED_PLAIN_STEPS:
+                return min(plain, self.verify_cost(1))
             return plain_price(plain, self.verify_cost(1), self._slope(), min(self.verify.values()))
         return max(self._line(nearest) + (self.shift or 0.0) + self._beyond(nearest), 1e-9)
 

@@ -456,6 +456,29 @@ def test_one_slow_plain_step_cannot_price_plain_decoding_above_a_verify_of_one_d
     assert costs.verify_cost(0) == pytest.approx(0.0044, abs=0.0001)  # plain steps themselves, below the bound
 
 
+def test_plain_steps_once_eight_are_seen_price_a_plain_step_up_to_a_verify_of_one_draft():
+    """The int8 target on a Zen 3 host (AVX2): a plain step 6.0 ms, the first drafted row 1.3 ms more,
+    each further one 1.4-1.7, so a plain step's bound, a verify of one draft less the line's row, sat
+    0.4-0.6 ms under what plain steps took, and the offers after a one-token match, whose first drafts
+    pass 0.2-0.3 on code, were declined where they paid. Start-up's reading and a few live steps keep
+    that bound (one cold step is no price); eight live plain steps are their own price, never above a
+    verify of one draft."""
+    costs = StepCosts()
+    costs.expect(verify={0: 0.0052, 1: 0.0065, 2: 0.0079, 3: 0.0093, 4: 0.0107})
+    one_token = {"suffix": ([5, 6], match_track("suffix", 1))}
+    auto = priced_auto({0: 1.0}, 1.0, {"suffix@1": 0.22, "suffix@2": 0.75, "model": 0.05, "staged": 0.05})
+    auto.verify = costs
+    for _ in range(adaptive.TRUSTED_PLAIN_STEPS):
+        assert costs.verify_cost(0) == pytest.approx(0.0051)  # one draft less a row: the bound
+        assert auto._choose([1, 2, 3], 4, one_token) == (None, 0)
+        costs.observe(0, 0.0, 0.0060)
+    assert costs.verify_cost(0) == pytest.approx(0.0060)
+    assert auto._choose([1, 2, 3], 4, one_token) == ("suffix", 1)  # 1.22 tokens in 6.5 ms against 1 in 6.0
+    for _ in range(5):
+        costs.observe(0, 0.0, 0.0200)  # plain steps slower than a verify of one draft: a disturbed spell
+    assert costs.plain > 0.011 and costs.verify_cost(0) == pytest.approx(costs.verify_cost(1)) == pytest.approx(0.0065)
+
+
 def test_plain_steps_that_stay_above_the_lines_bound_raise_the_line_so_drafting_resumes():
     """The float32 target on a Zen 3 host, after a long prompt: drafting steps had put a verify row at
     9.2 ms and a verify of one draft at 15.2 (the line is learned from drafting steps alone), so the
