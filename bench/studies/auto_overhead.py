@@ -12,14 +12,17 @@ the verify (its candidates' own ``accept`` left out); and per case its steps' wa
 over the same tokens at target-only's step (``step_costs``).
 
     .venv/bin/python bench/studies/auto_overhead.py [--draft copy:int8] [--rounds 2] [--prompts bench [--one-scope]]
-    .venv/bin/python bench/studies/auto_overhead.py --priced
+    .venv/bin/python bench/studies/auto_overhead.py --priced [--prices 4.4,5.53,6.39,7.43,8.73] [--more-prompts]
 
 ``--priced``: auto's choices alone, free of the host's noise. Its prices are held at ``PRICES`` (a
 plain step 4.4 ms; a verify 0.9 ms more for the first draft, 0.5 for each further; a head's step
 0.7 ms) and each step is costed at them, on this study's prompts and the bench's, greedy and at 0.8
 under two seeds: the text is the target's for the seed whatever drafts it, so two versions of auto
 compare exactly (the int8 target, pinned). Reports ``suffix`` and ``auto`` over target-only, as
-modeled seconds, under the entry "priced choices".
+modeled seconds, under the entry "priced choices". ``--prices``: a verify's milliseconds by drafts
+(0 to 4) instead, such as a host's own (its entry named by them); ``--more-prompts``: also the
+prompts of bench/studies/priced_prompts.yaml, a second sample of the bench's kinds (types
+``more-*``), so what two prompts of a type show can be checked on others.
 
 ``--draft``: the draft the engine keeps (default: as the server would, ``copy:auto``, which keeps
 none where the target alone is faster). ``--prompts bench``: the first turn of every prompt of
@@ -63,6 +66,7 @@ TEMPERATURES = (0.0, 0.8)
 PRICES = {0: 4.4e-3, 1: 5.3e-3, 2: 5.8e-3, 3: 6.3e-3, 4: 6.8e-3}  # --priced: a verify by drafts, seconds
 HEAD_STEP = 0.7e-3  # --priced: a head's (or draft model's) step, seconds
 BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "prompts.yaml"
+MORE_PROMPTS = Path(__file__).resolve().parent / "priced_prompts.yaml"
 
 
 def bench_prompts() -> list[tuple[str, list[dict]]]:
@@ -153,27 +157,34 @@ class HeldCosts(StepCosts):
         pass
 
 
-def priced(engine, tokenizer, max_tokens: int) -> dict:
-    """``--priced``: each case's speed under ``suffix`` and ``auto`` over target-only's, modeled at PRICES."""
+def priced(engine, tokenizer, max_tokens: int, prices: dict[int, float], more: bool = False) -> dict:
+    """``--priced``: each case's speed under ``suffix`` and ``auto`` over target-only's, modeled at ``prices``."""
     auto = engine.drafter("auto")
     auto.verify = HeldCosts()
-    auto.verify.expect(verify=PRICES)
+    auto.verify.expect(verify=prices)
     for name in auto.draft_costs:
         auto.draft_costs[name] = HeldCosts()
         auto.draft_costs[name].expect(draft=HEAD_STEP)
     runner, times, scopes = EngineRunner(engine), StepTimes(engine), iter(range(10**9))
 
     def modeled(drafter: str, prompt: list[int], sampling: dict | None) -> tuple[float, int]:
-        """(the request's steps at PRICES, the output tokens they made), the first step (the prompt's)
+        """(the request's steps at ``prices``, the output tokens they made), the first step (the prompt's)
         left out (a last step's tokens past a stop are not output)."""
         run = runner.run(drafter, False, prompt, max_tokens, f"priced{next(scopes)}", sampling)
         first, *steps = times.records
         times.records = []
         drafting = sum(HEAD_STEP * r.num_drafted * (r.drafter in auto.draft_costs) for r in steps)
-        cost = sum(PRICES[min(r.num_drafted, max(PRICES))] for r in steps) + drafting
+        cost = sum(prices[min(r.num_drafted, max(prices))] for r in steps) + drafting
         return cost, max(len(run.token_ids) - first.num_emitted, 0)
 
     prompts = [(kind, [{"role": "user", "content": text}]) for kind, text in PROMPTS.items()] + bench_prompts()
+    if more:
+        more_kinds = yaml.safe_load(MORE_PROMPTS.read_text())
+        prompts += [
+            (f"more-{kind}", [{"role": "user", "content": text}])
+            for kind, texts in more_kinds.items()
+            for text in texts
+        ]
     totals: dict[str, dict[str, list[float]]] = {}  # case -> drafter -> [modeled seconds, tokens]
     for kind, messages in prompts:
         prompt = chat_ids(tokenizer, messages)
@@ -187,7 +198,7 @@ def priced(engine, tokenizer, max_tokens: int) -> dict:
                     total[0], total[1] = total[0] + cost, total[1] + tokens
     # over target-only: a plain step for each of the same tokens
     return {
-        case: {name: round(PRICES[0] * tokens / cost, 3) for name, (cost, tokens) in by.items()}
+        case: {name: round(prices[0] * tokens / cost, 3) for name, (cost, tokens) in by.items()}
         for case, by in totals.items()
     }
 
@@ -209,19 +220,27 @@ def main() -> None:
     parser.add_argument("--prompts", choices=("own", "bench"), default="own", help="this study's three, or the bench's")
     parser.add_argument("--one-scope", action="store_true", help="one scope per configuration and round")
     parser.add_argument("--priced", action="store_true", help="auto's choices costed at fixed prices")
+    parser.add_argument("--prices", help="--priced: a verify's ms by drafts 0-4, comma-separated (default: PRICES)")
+    parser.add_argument("--more-prompts", action="store_true", help="--priced: also bench/studies/priced_prompts.yaml")
     args = parser.parse_args()
     if args.priced:
         loaded = load_engine(EngineConfig(activations="int8"), show_progress=False)
-        table = priced(loaded.engine, loaded.tokenizer, args.max_tokens)
+        prices = PRICES if args.prices is None else dict(enumerate(float(ms) / 1e3 for ms in args.prices.split(",")))
+        table = priced(loaded.engine, loaded.tokenizer, args.max_tokens, prices, args.more_prompts)
         ratios = [row["auto"] for row in table.values()]
         worst = min(table, key=lambda case: table[case]["auto"] / table[case]["suffix"])
         summary = {
             "auto_over_target_only": {"geomean": round(statistics.geometric_mean(ratios), 4), "least": min(ratios)},
             "auto_over_suffix_least": {worst: round(table[worst]["auto"] / table[worst]["suffix"], 3)},
         }
-        write_entry("priced choices", {"prices_s": PRICES, "head_step_s": HEAD_STEP, **summary, "results": table})
+        entry = (
+            "priced choices"
+            + (f" at {args.prices} ms" if args.prices else "")
+            + (", more prompts" if args.more_prompts else "")
+        )
+        write_entry(entry, {"prices_s": prices, "head_step_s": HEAD_STEP, **summary, "results": table})
         for case, row in table.items():
-            print(case, row)
+            print(case, row, "auto over suffix %.3f" % (row["auto"] / row["suffix"]))
         print(summary)
         return
     if args.prompts == "bench":
