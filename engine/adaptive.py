@@ -60,7 +60,7 @@ class StepCosts:
     reading and priced plain decoding above a verify of one draft, so every later step drafted, and
     none corrected the price). From then on their average is the price, at most a verify of one
     draft: where each further row costs more than the first drafted one (the int8 target on a Zen 3
-    host: 1.3 ms, then 1.4-1.7), the bound held plain steps 0.4-0.6 ms under what they took, and the
+    host: 1.3 ms, then 1.4-1.7), the bound held plain steps about 0.45 ms under what they took, and the
     offers after a one-token match were declined where they paid.
 
     All of these price a step at start-up's context (the anchor); a step at another (``at``) costs the

@@ -459,7 +459,7 @@ def test_one_slow_plain_step_cannot_price_plain_decoding_above_a_verify_of_one_d
 def test_plain_steps_once_eight_are_seen_price_a_plain_step_up_to_a_verify_of_one_draft():
     """The int8 target on a Zen 3 host (AVX2): a plain step 6.0 ms, the first drafted row 1.3 ms more,
     each further one 1.4-1.7, so a plain step's bound, a verify of one draft less the line's row, sat
-    0.4-0.6 ms under what plain steps took, and the offers after a one-token match, whose first drafts
+    about 0.45 ms under what plain steps took, and the offers after a one-token match, whose first drafts
     pass 0.2-0.3 on code, were declined where they paid. Start-up's reading and a few live steps keep
     that bound (one cold step is no price); eight live plain steps are their own price, never above a
     verify of one draft."""
