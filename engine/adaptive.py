@@ -84,7 +84,7 @@ class StepCosts:
     last: tuple[int, float] | None = None  # the last live step over a start-up line: (k, seconds)
     mean_k: float | None = None  # the k of the live steps the shift was learned from, on average
     plain: float | None = None  # a plain step's live seconds (k = 0): priced apart from the line over k >= 1
-    capped: int = 0  # plain steps in a row whose average the line's bound held down (``_meet_plain_steps``)
+    capped: int = 0  # plain steps in a row whose average sat above the line's bound (``_meet_plain_steps``)
     plain_steps: int = 0  # live plain steps observed: from TRUSTED_PLAIN_STEPS on, their average is the price
     anchor: int = 0  # the cached tokens start-up timed its line after: the fields above price a step there
     context: int = 0  # the cached tokens of the step priced, then observed, now (``at``)
@@ -152,7 +152,9 @@ class StepCosts:
         line and its slope are learned from drafting steps alone: after a long prompt had put a row at
         9.2 ms (float32 on a Zen 3 host), the cap priced plain steps of 15-20 ms at 7.4, no step drafted
         again, and none corrected the line. One cold plain step is still held to the cap; a host slower
-        for good is met."""
+        for good is met. It still runs once plain steps are their own price (TRUSTED_PLAIN_STEPS), so
+        where each further row costs more than the first drafted one it keeps raising the line to a
+        plain step's average plus a row (docs/drafters.md#verify-prices-by-context)."""
         if self._base != 1 or self.plain is None:
             return  # no line over drafting steps
         short = self.plain - (self._line(1) + (self.shift or 0.0) - self._slope())
