@@ -1,4 +1,4 @@
-"""Study: where does a served token's CPU go beyond the engine's? Answer: docs/benchmarks.md#what-the-server-costs-a-token.
+"""Study: where does a served token's CPU go beyond the engine's? Answer: docs/internals.md#the-event-loops-share.
 
 One ``specserve serve`` of the embedded default (one sequence slot), streamed to by this process as
 an SDK would (httpx, one JSON parse per event): the README's chat question with ``ignore_eos``,
