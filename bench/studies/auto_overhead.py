@@ -19,7 +19,9 @@ plain step 4.4 ms; a verify 0.9 ms more for the first draft, 0.5 for each furthe
 0.7 ms) and each step is costed at them, on this study's prompts and the bench's, greedy and at 0.8
 under two seeds: the text is the target's for the seed whatever drafts it, so two versions of auto
 compare exactly (the int8 target, pinned). Reports ``suffix`` and ``auto`` over target-only, as
-modeled seconds, under the entry "priced choices". ``--prices``: a verify's milliseconds by drafts
+modeled seconds, under the entry "priced choices", and beside them ``hindsight``: the cheapest split
+of the same text into plain steps and ``suffix``'s offers cut to any k, chosen knowing which drafts
+pass (a bound no policy that chooses before the verify reaches with that drafter). ``--prices``: a verify's milliseconds by drafts
 (0 to 4) instead, such as a host's own (its entry named by them); ``--more-prompts``: also the
 prompts of bench/studies/priced_prompts.yaml, a second sample of the bench's kinds (types
 ``more-*``), so what two prompts of a type show can be checked on others.
@@ -41,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -50,6 +53,7 @@ from bench.runners import Conversation, EngineRunner, chat_ids  # noqa: E402
 from engine.adaptive import StepCosts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cpu.int8_blocks import held_activations  # noqa: E402
+from engine.drafters.suffix import SuffixDrafter  # noqa: E402
 from engine.factory import load_engine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -166,11 +170,13 @@ def priced(engine, tokenizer, max_tokens: int, prices: dict[int, float], more: b
         auto.draft_costs[name] = HeldCosts()
         auto.draft_costs[name].expect(draft=HEAD_STEP)
     runner, times, scopes = EngineRunner(engine), StepTimes(engine), iter(range(10**9))
+    texts: dict[str, list[int]] = {}  # the last run's output by drafter: the target's text for its seed
 
     def modeled(drafter: str, prompt: list[int], sampling: dict | None) -> tuple[float, int]:
         """(the request's steps at ``prices``, the output tokens they made), the first step (the prompt's)
         left out (a last step's tokens past a stop are not output)."""
         run = runner.run(drafter, False, prompt, max_tokens, f"priced{next(scopes)}", sampling)
+        texts[drafter] = run.token_ids
         first, *steps = times.records
         times.records = []
         drafting = sum(HEAD_STEP * r.num_drafted * (r.drafter in auto.draft_costs) for r in steps)
@@ -196,11 +202,41 @@ def priced(engine, tokenizer, max_tokens: int, prices: dict[int, float], more: b
                     cost, tokens = modeled(drafter, prompt, sampling)
                     total = case.setdefault(drafter, [0.0, 0])
                     total[0], total[1] = total[0] + cost, total[1] + tokens
+                assert texts["suffix"] == texts["auto"], "a seed's text is the target's whatever drafts"
+                most = min(max(prices), engine.config.num_draft_tokens)
+                cost, tokens = hindsight(prompt, texts["suffix"], prices, most, max_tokens)
+                total = case.setdefault("hindsight", [0.0, 0])
+                total[0], total[1] = total[0] + cost, total[1] + tokens
     # over target-only: a plain step for each of the same tokens
     return {
         case: {name: round(prices[0] * tokens / cost, 3) for name, (cost, tokens) in by.items()}
         for case, by in totals.items()
     }
+
+
+def hindsight(
+    prompt: list[int], output: list[int], prices: dict[int, float], most: int, max_tokens: int
+) -> tuple[float, int]:
+    """(the cheapest split of ``output`` into steps at ``prices``, the tokens after the first step's one):
+    each step plain or ``suffix``'s offer there (as it runs alone, on the text so far) cut to any k,
+    chosen knowing how many of its drafts the text then matches: what no policy that must choose
+    before the verify can beat with this drafter. The first step (the prompt's) makes one token."""
+    suffix = SuffixDrafter(torch.device("cpu"), None)
+    suffix.begin(prompt)
+    text, start, end = prompt + output, len(prompt) + 1, len(prompt) + len(output)
+    cheapest = {end: 0.0}  # from each position to the end
+    offers = []
+    for position in range(start, end):
+        made = position - len(prompt)  # tokens output before this step (the engine's limit)
+        drafts = suffix.offer(text[:position], min(most, max_tokens - made - 1))
+        passed = [token == (text[position + i] if position + i < end else None) for i, token in enumerate(drafts)]
+        offers.append((len(drafts), passed.index(False) if False in passed else len(drafts)))
+    for position in range(end - 1, start - 1, -1):
+        offered, matched = offers[position - start]
+        cheapest[position] = min(
+            prices[k] + cheapest[min(position + 1 + min(matched, k), end)] for k in range(offered + 1)
+        )
+    return cheapest[start], max(end - start, 0)
 
 
 def write_entry(entry: str, result: dict) -> None:
@@ -232,6 +268,12 @@ def main() -> None:
         summary = {
             "auto_over_target_only": {"geomean": round(statistics.geometric_mean(ratios), 4), "least": min(ratios)},
             "auto_over_suffix_least": {worst: round(table[worst]["auto"] / table[worst]["suffix"], 3)},
+            **{
+                f"{name}_over_hindsight_geomean": round(
+                    statistics.geometric_mean(row[name] / row["hindsight"] for row in table.values()), 4
+                )
+                for name in ("suffix", "auto")
+            },
         }
         entry = (
             "priced choices"

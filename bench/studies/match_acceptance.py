@@ -1,12 +1,13 @@
-"""Study: how often does a text match's first draft pass, by match length and sampling? Answer: docs/drafters.md#damped-requests.
+"""Study: how often does a text match's first draft pass, by match length and sampling? Answer: docs/drafters.md#damped-requests, docs/drafters.md#a-split-continuation.
 
 Where ``auto``'s text-match priors come from (engine/drafters/auto_state.py, MATCH_PRIORS and
 DAMPED_MATCH_PRIORS). ``suffix`` alone drafts the first turn of every chat, prose, code and summarise
 prompt of bench/prompts.yaml, 96 tokens, each request its own scope, under each sampling setting
 (temperatures 0 to 1 with no penalty; greedy, 0.1 and 0.8 under the embedded model's repetition
 penalty of 1.1 and top_p of 0.9; sampled ones seeded 0 and 1). Every drafted step's first draft is
-filed by the length of the match it continues (1, 2-3, 4-7, 8 or more tokens: ``suffix@1`` ...) and
-by type (chat and prose; code and summaries): how many passed of how many were drafted.
+filed by the length of the match it continues (1, 2-3, 4-7, 8 or more tokens: ``suffix@1`` ...; a
+match of 1 to 3 whose first draft was one of several continuations seen after it apart: ``suffix@1?``,
+``suffix@2?``) and by type (chat and prose; code and summaries): how many passed of how many were drafted.
 
     .venv/bin/python bench/studies/match_acceptance.py [--max-tokens 96]
 
@@ -52,17 +53,17 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_engine(EngineConfig(drafter="suffix", draft=None, max_model_len=4096), show_progress=False)
     engine, suffix = loaded.engine, loaded.engine.drafter("suffix")
-    drafted: list[tuple[int, int]] = []  # (match length, first draft passed) per drafted step
+    drafted: list[tuple[int, bool, int]] = []  # (match length, split, first draft passed) per drafted step
     offer, accept, pending = suffix.offer, suffix.accept, {}
 
     def offering(token_ids: list[int], limit: int) -> list[int]:
         tokens = offer(token_ids, limit)
-        pending["step"] = (len(token_ids), suffix.match_length) if tokens else None
+        pending["step"] = (len(token_ids), suffix.match_length, suffix.match_split) if tokens else None
         return tokens
 
     def accepting(num_committed: int) -> None:
         if (step := pending.pop("step", None)) is not None:
-            drafted.append((step[1], int(num_committed > step[0])))
+            drafted.append((step[1], step[2], int(num_committed > step[0])))
         accept(num_committed)
 
     suffix.offer, suffix.accept = offering, accepting
@@ -78,8 +79,8 @@ def main() -> None:
                 )
                 scope = f"{setting}/{kind}{index}/{seed}"
                 list(engine.generate(Request(scope, prompt_ids, params, drafter="suffix", tenant=scope)))
-                for length, passed in drafted:
-                    tally = counts[GROUPS[kind]][match_track("suffix", length)]
+                for length, split, passed in drafted:
+                    tally = counts[GROUPS[kind]][match_track("suffix", length, split=split)]
                     tally[0] += passed
                     tally[1] += 1
         results[setting] = {

@@ -255,10 +255,10 @@ class AutoDrafter(Drafter):
     def _offers(self, token_ids: list[int], limit: int) -> dict[str, tuple[list[int], str]]:
         """What each text matcher that found something would draft now (up to ``limit`` tokens, on the
         host), with the track its acceptance is read from: a table lookup, cheap enough to ask first."""
-        offers = {}
+        offers, damped = {}, self._request.damped
         for name in self._texts if limit > 0 else ():
-            if drafts := self.candidates[name].offer(token_ids, limit):
-                offers[name] = (drafts, match_track(name, self.candidates[name].match_length, self._request.damped))
+            if drafts := (matcher := self.candidates[name]).offer(token_ids, limit):
+                offers[name] = (drafts, match_track(name, matcher.match_length, damped, matcher.match_split))
         return offers
 
     def expect_catch_up(self, seconds_per_token: float, seconds_per_extra_row: float | None = None) -> None:

@@ -20,8 +20,9 @@ LEFT_PRIOR_STEPS = 2.0  # a request starts as if text matching had left two step
 PACE_DECAY = 0.5  # each step fades text matching's earlier pace: a burst of matches is soon forgotten
 # A text match's acceptance before any request ran, by the length of the match its proposal
 # continues (suffix on bench/prompts.yaml: 0.1-0.4 after a one-token match, 0.8-1.0 after two
-# tokens or more, in chat as in code). A draft model's is ALPHA_PRIOR until start-up measures it.
-MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
+# tokens or more, in chat as in code; a one-token match whose continuation was split is apart, below,
+# and the rest pass 0.21-0.47, so 0.35). A draft model's is ALPHA_PRIOR until start-up measures it.
+MATCH_PRIORS = {1: 0.35, 2: 0.75, 4: 0.85, 8: 0.85}
 # A damped request's text match passes as the target draws the token it continues with (sampled
 # hot), or in spite of a penalty on the repeat it drafts: its own tracks (``suffix@2~``), from lower
 # priors. First drafts that passed on chat and prose / code and summaries after a match of one token
@@ -31,6 +32,15 @@ MATCH_PRIORS = {1: 0.3, 2: 0.75, 4: 0.85, 8: 0.85}
 HOT_TEMPERATURE = 0.7
 DAMPED_MATCH_PRIORS = {1: 0.15, 2: 0.4, 4: 0.75, 8: 0.85}
 DAMPED = "~"  # what ends a damped request's track
+# A short match whose first draft was one of several tokens seen after it (not the only one) passes
+# far less often than one whose continuation was always the same: its own tracks (``suffix@1?``).
+# First drafts that passed after a one-token match on chat and prose / code and summaries
+# (bench/studies/match_acceptance.py): greedy 0.21 / 0.47 where the continuation had always been the
+# same, 0.02 / 0.09 where it had not; at 0.8, 0.15 / 0.31 against 0.02 / 0.14. Split matches of two
+# or three tokens are few (3 of 26 greedy) (docs/drafters.md#a-split-continuation).
+SPLIT_MATCH_PRIORS = {1: 0.1, 2: 0.3}
+DAMPED_SPLIT_MATCH_PRIORS = {1: 0.05, 2: 0.15}
+SPLIT = "?"  # what marks a split continuation's track, before DAMPED
 SHIFT_SPREAD = 1.5  # the spread (sd, in log-odds) of requests' text shifts about their priors
 SHIFT_ITERATIONS = 2  # Newton steps per refit, from the last shift
 
@@ -42,17 +52,21 @@ def damps_repeats(params: SamplingParams) -> bool:
 
 
 @cache  # asked several times a step, of a handful of names and lengths
-def match_track(name: str, match_length: int, damped: bool = False) -> str:  # suffix@4: a match of 4 to 7 tokens
+def match_track(name: str, match_length: int, damped: bool = False, split: bool = False) -> str:
+    """suffix@4: a match of 4 to 7 tokens; suffix@1?: of one, whose first draft was one of several
+    continuations seen (split, for the lengths SPLIT_MATCH_PRIORS names)."""
     bucket = max(bucket for bucket in MATCH_PRIORS if bucket <= max(match_length, 1))
-    return f"{name}@{bucket}{DAMPED if damped else ''}"
+    return f"{name}@{bucket}{SPLIT if split and bucket in SPLIT_MATCH_PRIORS else ''}{DAMPED if damped else ''}"
 
 
 def match_priors(names: list[str]) -> dict[str, float]:
-    """The text matchers' tracks' priors, damped and not."""
+    """The text matchers' tracks' priors, damped and not, split and not."""
+    tables = ((False, False, MATCH_PRIORS), (True, False, DAMPED_MATCH_PRIORS))
+    tables += ((False, True, SPLIT_MATCH_PRIORS), (True, True, DAMPED_SPLIT_MATCH_PRIORS))
     return {
-        match_track(name, length, damped): prior
+        match_track(name, length, damped, split): prior
         for name in names
-        for damped, priors in ((False, MATCH_PRIORS), (True, DAMPED_MATCH_PRIORS))
+        for damped, split, priors in tables
         for length, prior in priors.items()
     }
 
@@ -60,10 +74,12 @@ def match_priors(names: list[str]) -> dict[str, float]:
 @cache
 def continued(track: str, count: int) -> tuple[str, ...]:
     """The tracks a text match's drafts 1..count are accepted on: draft i continues the match i - 1
-    tokens further (suffix@1's drafts: suffix@1, suffix@2, suffix@2, suffix@4)."""
+    tokens further (suffix@1's drafts: suffix@1, suffix@2, suffix@2, suffix@4; suffix@1?'s: suffix@1?,
+    suffix@2, ...: once its first draft passed, the match is a longer one like any other)."""
     name, length = track.rsplit("@", 1)
     damped = length.endswith(DAMPED)
-    return tuple(match_track(name, int(length.rstrip(DAMPED)) + index, damped) for index in range(count))
+    start = int(length.rstrip(DAMPED).rstrip(SPLIT))
+    return (track, *(match_track(name, start + index, damped) for index in range(1, count)))[:count]
 
 
 @dataclass(slots=True)

@@ -61,8 +61,10 @@ class Drafter(Protocol):
     # A model of its own it drafts with (an EAGLE-3 head), described for the start-up line and
     # /v1/models; None: none, or the shared draft model.
     own_model: str | None = None
-    # A text matcher's last ``offer``: how many tokens of the sequence the match it continues spans.
+    # A text matcher's last ``offer``: how many tokens of the sequence the match it continues spans,
+    # and whether its first token was one of several seen after that match (not the only one).
     match_length: int = 0
+    match_split: bool = False
     # The attributes that belong to the sequence being drafted (reset by ``begin``): what ``park``
     # keeps while another sequence uses this drafter, and ``resume`` puts back.
     per_sequence: ClassVar[tuple[str, ...]] = ()

@@ -31,7 +31,7 @@ MIN_PROBABILITY = 0.1  # stop drafting once the path's estimated probability fal
 
 class SuffixDrafter(Drafter):
     name = "suffix"
-    per_sequence = ("_local", "_indexed", "_tenant", "match_length")
+    per_sequence = ("_local", "_indexed", "_tenant", "match_length", "match_split")
 
     def __init__(self, device: torch.device, cache: OutputCache | None, max_match: int = MAX_MATCH) -> None:
         self.device = device
@@ -56,15 +56,17 @@ class SuffixDrafter(Drafter):
         self._indexed = len(token_ids)
         shared = self.cache.index(self._tenant) if self.cache is not None else None
         context, drafted, probability = list(token_ids[-self.max_match :]), [], 1.0
-        self.match_length = 0
+        self.match_length, self.match_split = 0, False
         while len(drafted) < limit:
             n, counts = self._best(context, shared)
             if counts is None:
                 break
+            token, count = max(counts.items(), key=itemgetter(1))  # the most frequent (the first seen, on a tie)
+            seen = sum(counts.values())
             if not drafted:  # the first match sets how far this draft may reach
                 self.match_length, limit = n, min(limit, max(1, int(MATCH_FACTOR * n)))
-            token, count = max(counts.items(), key=itemgetter(1))  # the most frequent (the first seen, on a tie)
-            probability *= count / sum(counts.values())
+                self.match_split = count < seen
+            probability *= count / seen
             if probability < MIN_PROBABILITY:
                 break
             drafted.append(token)

@@ -11,7 +11,7 @@ import torch
 
 from engine import adaptive
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
-from engine.drafters.auto_state import DAMPED_MATCH_PRIORS, MATCH_PRIORS, match_track
+from engine.drafters.auto_state import DAMPED_MATCH_PRIORS, MATCH_PRIORS, SPLIT_MATCH_PRIORS, continued, match_track
 from engine.factory import warm_up
 from engine.measure import CONTEXT_CHUNK, VERIFY_CONTEXT, robust_line, verify_prices, verify_seconds
 from engine.request import Request
@@ -96,6 +96,25 @@ def test_text_matching_is_judged_by_its_offer_and_the_length_of_its_match():
         "suffix@4",
         "suffix@8",
     ]
+
+
+def test_a_short_match_whose_continuation_was_split_is_priced_on_a_track_of_its_own():
+    """A one-token match whose first draft was one of several tokens seen after it passes far less
+    often than one always followed by the same token: its own track, from a lower prior, so the same
+    offer pays where the continuation was the only one and is declined where it was split. Once its
+    first draft passed, the next continues a longer match like any other."""
+    auto = priced_auto({0: 0.030, 1: 0.036, 2: 0.041, 3: 0.046, 4: 0.051}, 0.010, {"model": 0.0, "staged": 0.0})
+    auto.draft_costs = {}  # text matching and plain decoding only
+    assert match_track("suffix", 1, split=True) == "suffix@1?" and match_track("suffix", 4, split=True) == "suffix@4"
+    assert continued("suffix@1?", 3) == ("suffix@1?", "suffix@2", "suffix@2")
+    assert auto._request.alpha["suffix@1?"] == SPLIT_MATCH_PRIORS[1] < MATCH_PRIORS[1] == auto._alpha("suffix@1")
+    one_token = [5, 6]
+    assert auto._choose([1, 2, 3], 4, {"suffix": (one_token, match_track("suffix", 1))}) == ("suffix", 2)
+    assert auto._choose([1, 2, 3], 4, {"suffix": (one_token, match_track("suffix", 1, split=True))}) == (None, 0)
+    auto.begin([1, 7, 2, 7, 2, 7, 3, 8, 4])
+    # after 7: 2 twice, 3 once; then 7 2 was always followed by 7
+    assert auto._offers([1, 7, 2, 7, 2, 7, 3, 8, 4, 7], 4) == {"suffix": ([2, 7], "suffix@1?")}
+    assert auto._offers([1, 7, 2, 7, 2, 7, 3, 8, 4, 7, 2], 4) == {"suffix": ([7, 2, 7, 3], "suffix@2")}
 
 
 def test_a_draft_model_must_beat_text_matchings_pace_over_the_last_steps():

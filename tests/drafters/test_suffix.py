@@ -59,6 +59,17 @@ def test_a_repeated_passage_is_drafted_and_the_length_follows_the_match():
     assert drafter.propose([1, 2, 3], 4, None).probs is None  # deterministic: verified as one-hot
 
 
+def test_an_offer_says_whether_its_first_token_was_the_only_one_seen_after_its_match():
+    drafter = SuffixDrafter(CPU, None)
+    drafter.begin([])
+    assert drafter.offer([5, 6, 9, 1, 5, 6], 4)[0] == 9  # after 5 6, always 9
+    assert drafter.match_length == 2 and not drafter.match_split
+    drafter.begin([])
+    assert drafter.offer([1, 7, 2, 7, 2, 7, 3, 8, 4, 7], 4)[0] == 2  # after 7: 2 twice, 3 once
+    assert drafter.match_length == 1 and drafter.match_split
+    assert drafter.offer([1, 7, 2, 7, 2, 7, 3, 8, 4, 42], 4) == [] and not drafter.match_split  # no match
+
+
 def test_an_uncertain_continuation_is_not_drafted():
     drafter = SuffixDrafter(CPU, None)
     drafter.begin([])
