@@ -21,10 +21,10 @@ under two seeds: the text is the target's for the seed whatever drafts it, so tw
 compare exactly (the int8 target, pinned). Reports ``suffix`` and ``auto`` over target-only, as
 modeled seconds, under the entry "priced choices", and beside them ``hindsight``: the cheapest split
 of the same text into plain steps and ``suffix``'s offers cut to any k, chosen knowing which drafts
-pass (a bound no policy that chooses before the verify reaches with that drafter). ``--prices``: a verify's milliseconds by drafts
-(0 to 4) instead, such as a host's own (its entry named by them); ``--more-prompts``: also the
-prompts of bench/studies/priced_prompts.yaml, a second sample of the bench's kinds (types
-``more-*``), so what two prompts of a type show can be checked on others.
+pass (a bound no policy that chooses before the verify reaches with that drafter). ``--prices``: a
+verify's milliseconds by drafts (0 to 4) instead, such as a host's own (its entry named by them);
+``--more-prompts``: also the prompts of bench/studies/priced_prompts.yaml, a second sample of the
+bench's kinds (types ``more-*``), so what two prompts of a type show can be checked on others.
 
 ``--draft``: the draft the engine keeps (default: as the server would, ``copy:auto``, which keeps
 none where the target alone is faster). ``--prompts bench``: the first turn of every prompt of
