@@ -10,7 +10,8 @@ and with ``--before REV``, "alone" and "two" again with the code of commit REV (
 
     .venv/bin/python bench/studies/threads.py [--before REV] [--max-tokens 105]
 
-Writes bench/results/threads.json with the host it ran on.
+Writes bench/results/threads.json with the host it ran on (keeping the entries other studies wrote
+there: bench/studies/serving_cpu.py's "serving").
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ def main() -> None:
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
         shutil.rmtree(logs, ignore_errors=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    out = Path(args.out)
+    kept = json.loads(out.read_text()) if out.exists() else {}  # entries other studies wrote ("serving")
+    out.write_text(json.dumps({**kept, **report}, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
 
 
