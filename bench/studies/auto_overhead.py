@@ -188,8 +188,8 @@ def priced(engine, tokenizer, max_tokens: int, prices: dict[int, float], more: b
         more_kinds = yaml.safe_load(MORE_PROMPTS.read_text())
         prompts += [
             (f"more-{kind}", [{"role": "user", "content": text}])
-            for kind, texts in more_kinds.items()
-            for text in texts
+            for kind, items in more_kinds.items()
+            for text in items
         ]
     totals: dict[str, dict[str, list[float]]] = {}  # case -> drafter -> [modeled seconds, tokens]
     for kind, messages in prompts:

@@ -31,6 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.host import host  # noqa: E402
+from bench.runners import sse_events  # noqa: E402
 from bench.studies.threads import REQUEST, free_port, wait_ready  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,14 +55,9 @@ def thread_cpu(pid: int) -> dict[int, tuple[float, float]]:
 def stream(client: httpx.Client, body: dict) -> tuple[int, dict]:
     """(events that carried a token, the usage) of one streamed chat completion."""
     events, usage = 0, {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: ") :])
-            events += bool(event["choices"] and event["choices"][0]["delta"].get("content"))
-            usage = event.get("usage") or usage
+    for event in sse_events(client, "/v1/chat/completions", body):
+        events += bool(event["choices"] and event["choices"][0]["delta"].get("content"))
+        usage = event.get("usage") or usage
     return events, usage
 
 
