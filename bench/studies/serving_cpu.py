@@ -2,7 +2,8 @@
 
 One ``specserve serve`` of the embedded default (one sequence slot), streamed to by this process as
 an SDK would (httpx, one JSON parse per event): the README's chat question with ``ignore_eos``,
-target-only and the default (``auto``) taking turns request by request. Around each configuration's
+target-only and the default (``auto``) taking turns request by request, each request its own
+``user`` (so the default's suffix cache replays no earlier request's output). Around each configuration's
 requests it reads every server thread's user and system CPU (/proc/PID/task/TID/stat) and this
 client thread's own, and reports each per streamed event (one token each): the event loop (the
 main thread: SSE framing, chunk building, the socket writes), the compute threads (the engine's
@@ -88,13 +89,14 @@ def main() -> None:
     try:
         wait_ready(url, process)
         with httpx.Client(base_url=url, timeout=600) as client:
-            for extra in CONFIGURATIONS.values():  # warm-up: first-request costs stay out
-                stream(client, {**REQUEST, **extra, "max_tokens": 16, "stream": True})
+            for name, extra in CONFIGURATIONS.items():  # warm-up: first-request costs stay out
+                stream(client, {**REQUEST, **extra, "max_tokens": 16, "stream": True, "user": f"warm-up {name}"})
             for round_ in range(args.rounds):
                 order = list(CONFIGURATIONS) if round_ % 2 == 0 else list(CONFIGURATIONS)[::-1]
                 for name in order:
                     body = {**REQUEST, **CONFIGURATIONS[name], "max_tokens": args.max_tokens, "stream": True}
-                    body["stream_options"] = {"include_usage": True}
+                    # each request its own scope: the suffix cache replays nothing an earlier round wrote
+                    body |= {"stream_options": {"include_usage": True}, "user": f"{name} {round_}"}
                     before, client_before, started = thread_cpu(process.pid), time.thread_time(), time.perf_counter()
                     events, usage = stream(client, body)
                     total = totals[name]
