@@ -1,37 +1,34 @@
 """auto: at every step, the candidate drafter (and k) with the most expected tokens per second.
 
-Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with
-a head (named, or shipped for the target, priced by its own timing); and drafting nothing (k = 0).
-For candidate c at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k)
-seconds. The acceptance a_c is this request's own, pooled over the steps c ran (recent ones weigh
-more), from a prior its scope's finished requests move (a draft model's: its agreement measured at
-start-up, or a head's recorded beside it, worth 8 tokens of evidence; a text match's 2, as it holds
-or breaks with the text). A text match's draft i passes, once those before it did, as a match i - 1
-tokens longer does. Draft cost d_c and verify cost v(k) are timed at start-up, then live, shared by
-requests (``StepCosts``: v(0), a plain step, apart; v over k >= 1 as a line; each grows with the context).
+Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with a head (named, or
+shipped for the target, priced by its own timing); and drafting nothing (k = 0). For candidate c at k drafts the
+expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds. The acceptance a_c is this request's
+own, pooled over the steps c ran (recent ones weigh more), from a prior its scope's finished requests move (a draft
+model's: its agreement measured at start-up, or a head's recorded beside it, worth 8 tokens of evidence; a text
+match's 2, as it holds or breaks with the text). A text match's draft i passes, once those before it did, as a match
+i - 1 tokens longer does. Draft cost d_c and verify cost v(k) are timed at start-up, then live, shared by requests
+(``StepCosts``: v(0), a plain step, apart; v over k >= 1 as a line; each grows with the context).
 
-Text matching is asked first at every step, since its proposal costs next to nothing to make: the
-choice then knows how many tokens it offers and how long a match they continue, and its acceptance
-is tracked per match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a
-longer one mostly does; a request sampled hot or penalising repeats on tracks of its own: ``@2~``), so
-a long match wins the step and a weak one leaves it to plain decoding or the draft model. Its cost is
-its verify rows alone. An offer the step declines is scored, once the text has passed it, by how many
-of its drafts the committed tokens match: what the offer would have yielded, so its acceptance stays
-current without probes, and is learned from every offer, not only from those whose estimate was
-high. A draft model's step must also beat the pace text matching (or plain decoding) kept over the
-last few steps, each halving the weight of those before: where the text repeats, a plain step
-reaches the next match sooner than four drafts.
+Text matching is asked first at every step, since its proposal costs next to nothing to make: the choice then knows
+how many tokens it offers and how long a match they continue, and its acceptance is tracked per match length
+(``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a longer one mostly does; a request sampled hot
+or penalising repeats on tracks of its own: ``@2~``), so a long match wins the step and a weak one leaves it to plain
+decoding or the draft model. Its cost is its verify rows alone. An offer the step declines is scored, once the text
+has passed it, by how many of its drafts the committed tokens match: what the offer would have yielded, so its
+acceptance stays current without probes, and is learned from every offer, not only from those whose estimate was high.
+A draft model's step must also beat the pace text matching (or plain decoding) kept over the last few steps, each
+halving the weight of those before: where the text repeats, a plain step reaches the next match sooner than four
+drafts.
 
-A draft model that has not run lately must first read what it missed (at a request's start, the
-whole prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost
-(per token of a prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part
-of a step), is spread over the next ``HORIZON`` tokens when candidates are compared, so a long
-prompt is not prefilled into a draft that cannot win it back; times the faded share of steps text
-matching left to others, since the draft will run only on those. (A draft that copies the target's
-keys and values, ``draft_kv``, has nothing to catch up on.) Where the step's best is another, a
-draft model unused for a while (``probe_every`` steps at acceptance 0.5; longer below, sooner above)
-drafts one token; one whose live-timed step could not beat plain decoding at any k even at the most
-it may accept (an int8 copy as dear as the target) is probed ``RARELY`` times less often.
+A draft model that has not run lately must first read what it missed (at a request's start, the whole prompt; after
+another candidate's run, a few tokens): that catch-up, at its measured cost (per token of a prefill; per extra row of
+a short read, which on CPU in bfloat16 costs a large part of a step), is spread over the next ``HORIZON`` tokens when
+candidates are compared, so a long prompt is not prefilled into a draft that cannot win it back; times the faded share
+of steps text matching left to others, since the draft will run only on those. (A draft that copies the target's keys
+and values, ``draft_kv``, has nothing to catch up on.) Where the step's best is another, a draft model unused for a
+while (``probe_every`` steps at acceptance 0.5; longer below, sooner above) drafts one token; one whose live-timed
+step could not beat plain decoding at any k even at the most it may accept (an int8 copy as dear as the target) is
+probed ``RARELY`` times less often.
 
 Every choice depends only on earlier steps and the committed tokens, never on the current step's
 random draws, so the output is still distributed exactly as the target's.
@@ -167,8 +164,11 @@ class AutoDrafter(Drafter):
         if choice is None:
             return
         verify_seconds = time.perf_counter() - choice.proposed_at  # the target's pass ran in between
-        if self._request.step > 1:  # a request's first verify also reads the prompt
+        # Not a request's first verify, which also reads the prompt, nor one after a step that made
+        # several tokens: served, it also waits on their events, whatever its k (docs/drafters.md#on-a-zen-4-host)
+        if self._request.step > 1 and self._request.last_made == 1:
             self.verify.observe(choice.drafted, 0.0, verify_seconds)
+        self._request.last_made = num_committed - choice.sequence_length + 1
         if choice.track is None:
             return
         costs = self.draft_costs.get(choice.name)  # None for text matching: its offer is made every step

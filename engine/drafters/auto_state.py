@@ -116,6 +116,7 @@ class RequestState:
     # catch-up is paid back over those
     text_taken: tuple[float, float] = field(default_factory=lambda: (0.0, LEFT_PRIOR_STEPS))
     step: int = 0
+    last_made: int = 1  # tokens the last step made (served, the next step's verify waits on their events)
     damped: bool = False  # sampled hot or penalising repeats: its text matches' tracks are its own
     # log-odds by which this request's text matches pass more (or less) often than their priors say,
     # whatever their length: one shift, fitted to every text track's evidence (``_fit_shift``)

@@ -666,6 +666,29 @@ def test_a_requests_first_verify_which_reads_the_prompt_is_not_timed():
     assert auto.verify.shift is None and auto.verify.verify == line
 
 
+def test_a_verify_after_a_step_that_made_several_tokens_does_not_move_the_prices(monkeypatch):
+    """Served, such a verify also waits on the events of the tokens before it, whatever its k: taken
+    as its rows' cost, it priced a row at three times what it was (docs/drafters.md#on-a-zen-4-host)."""
+    engine = auto_engine()
+    warm_up(engine)
+    auto = engine.drafter("auto")
+    observed, verify = [], auto.verify
+    seen = lambda costs, k, draft, seconds: costs is verify and observed.append(k)  # noqa: E731
+    monkeypatch.setattr(StepCosts, "observe", seen)
+    tokens = list(range(1, 40))
+    auto.begin(tokens)
+    sampler = RequestSampler(SamplingParams(max_tokens=16, temperature=0.0), 96, torch.device("cpu"), tokens, 0)
+    timed = []
+    for made in (1, 1, 3, 1, 1):  # the tokens each step commits
+        before = len(observed)
+        auto.propose(tokens, 4, sampler)
+        auto.accept(len(tokens) + made - 1)
+        tokens = tokens + [7] * made
+        timed.append(len(observed) > before)
+    # the first reads the prompt; the fourth comes after the third's three tokens
+    assert timed == [False, True, True, False, True]
+
+
 def test_acceptance_pools_the_steps_of_a_request():
     """One early rejection does not read as acceptance 0: 3 of 4, then 4 of 4, is close to 7 of 8."""
     auto = auto_engine().drafter("auto")
