@@ -22,6 +22,7 @@ ROW_READINGS = 15  # the latest per-row verify costs between consecutive live st
 MIN_ROW_READINGS = 5  # how many it takes to replace the start-up line's slope
 CONTEXT_DECAY = 0.995  # each live step of a kind fades the earlier evidence of how its cost grows with context
 MIN_CONTEXT_SPREAD = 128.0  # cached tokens: how far steps' contexts must spread to learn a slope from them
+MIN_CONTEXT_STEPS = 8  # ... and over as many steps' worth: a sum of squares about their mean (``ContextSlope``)
 STALE_PLAIN_STEPS = 16  # plain steps in a row above the line's bound after which the line is raised to meet them
 TRUSTED_PLAIN_STEPS = 8  # live plain steps after which their average prices a plain step, up to a verify of one draft
 
@@ -207,7 +208,7 @@ class ContextSlope:
     a plain step's growth over those tokens (z) at the plain steps' slope as it is when asked, not as it
     was when each step came (over a long prompt's first steps it was still 0, and the rows took a
     plain step's growth for theirs: 2.1-2.4 us a token a row where 0.65 was measured). 0 until their
-    contexts spread by MIN_CONTEXT_SPREAD tokens, and never below 0."""
+    contexts spread (``spread``), and never below 0."""
 
     # faded: weight, x, y, x x, x y, z, x z, z z
     sums: tuple[float, float, float, float, float, float, float, float] = (0.0,) * 8
@@ -217,12 +218,21 @@ class ContextSlope:
         weight, xs, ys, xxs, xys, zs, xzs, zzs = (CONTEXT_DECAY * total for total in self.sums)
         self.sums = (weight + 1.0, xs + x, ys + y, xxs + x * x, xys + x * y, zs + z, xzs + x * z, zzs + z * z)
 
+    def spread(self) -> bool:
+        """Whether the steps' contexts (z) spread enough to learn a slope from: their faded squares about
+        their mean as large as MIN_CONTEXT_STEPS steps' MIN_CONTEXT_SPREAD tokens from it. A sum, not a
+        variance, which more steps at one context shrink: served, one plain step after a long prompt
+        among the short requests' steps fell under 128 tokens' spread within 85 plain steps, its slope
+        went to 0, and the drafted rows took a plain step's growth for theirs (docs/drafters.md)."""
+        weight, zs, zzs = self.sums[0], self.sums[5], self.sums[7]
+        return weight > 0.0 and zzs - zs * zs / weight >= MIN_CONTEXT_STEPS * MIN_CONTEXT_SPREAD**2
+
     def slope(self, less: float = 0.0) -> float:
         """Seconds per x of y less ``less`` times z; 0 until the steps' contexts (z, not x, which a
         verify's k spreads at one context) spread."""
-        weight, xs, ys, xxs, xys, zs, xzs, zzs = self.sums
-        if not weight or zzs - zs * zs / weight < weight * MIN_CONTEXT_SPREAD**2:
+        if not self.spread():
             return 0.0
+        weight, xs, ys, xxs, xys, zs, xzs, zzs = self.sums
         spread = xxs - xs * xs / weight  # weight times the variance of x
         return max((xys - less * xzs - xs * (ys - less * zs) / weight) / spread, 0.0) if spread > 0.0 else 0.0
 

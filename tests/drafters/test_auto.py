@@ -657,6 +657,27 @@ def test_a_long_prompts_drafting_steps_before_its_plain_ones_leave_the_rows_slop
     assert all(abs(costs.verify_cost(k) - true_cost(k, 1600)) < 0.0015 for k in range(5))
 
 
+def test_a_plain_step_after_a_long_prompt_keeps_its_slope_among_many_short_ones():
+    """Served, where a long prompt repeats its context, its steps draft and few are plain: one plain
+    step at 1,500 tokens among a hundred after short prompts. Their contexts' variance fell under 128
+    tokens' spread, the plain steps' slope went to 0, and the drafted rows took a plain step's growth
+    for theirs: at the next long prompt a plain step was priced 3.3 ms low and a draft's row 1.5 ms
+    high, and auto cut its offers to two drafts where suffix drafted four (docs/drafters.md). The
+    spread is a sum of squares, which more steps at one context do not shrink."""
+    costs = StepCosts()
+    costs.expect(verify={0: 0.0045, 1: 0.0055, 2: 0.0063, 3: 0.0071, 4: 0.0079}, context=256)
+    short = [0, 1, 0, 2, 0, 0, 1, 0] * 3
+    requests = [(160, short), (1500, [4, 3, 4, 2, 4, 4] * 4 + [0] + [4, 4, 4])] + [(150, [0] * 30)] * 4
+    for start, steps in requests + [(1500, [4, 4])]:
+        for index, k in enumerate(steps):
+            costs.at(start + 3 * index)
+            costs.observe(k, 0.0, true_cost(k, start + 3 * index))
+    costs.at(1600)
+    assert abs(costs.verify_cost(0) - true_cost(0, 1600)) < 0.0003
+    # what is left comes from the first long prompt's drafting steps, read before any plain one there
+    assert all(abs(costs.verify_cost(k) - true_cost(k, 1600)) < 0.0016 for k in range(1, 5))
+
+
 def test_a_requests_first_verify_which_reads_the_prompt_is_not_timed():
     engine = auto_engine()
     warm_up(engine)
