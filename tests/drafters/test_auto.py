@@ -661,8 +661,8 @@ def test_a_plain_step_after_a_long_prompt_keeps_its_slope_among_many_short_ones(
     """Served, where a long prompt repeats its context, its steps draft and few are plain: one plain
     step at 1,500 tokens among a hundred after short prompts. Their contexts' variance fell under 128
     tokens' spread, the plain steps' slope went to 0, and the drafted rows took a plain step's growth
-    for theirs: at the next long prompt a plain step was priced 3.3 ms low and a draft's row 1.5 ms
-    high, and auto cut its offers to two drafts where suffix drafted four (docs/drafters.md). The
+    for theirs: at the next long prompt a plain step was priced 3.3 ms low and one draft 2.4 ms too far
+    above it, and auto cut its offers to two drafts where suffix drafted four (docs/drafters.md). The
     spread is a sum of squares, which more steps at one context do not shrink."""
     costs = StepCosts()
     costs.expect(verify={0: 0.0045, 1: 0.0055, 2: 0.0063, 3: 0.0071, 4: 0.0079}, context=256)

@@ -69,7 +69,7 @@ def test_the_heads_start_up_price_is_a_proposal_of_one_draft(monkeypatch):
 
     monkeypatch.setattr(RequestSampler, "probs", slow)
     costs = drafter.own_costs()
-    assert costs.step_seconds >= 0.02 and costs.seconds_per_token < 0.02 / 64 + 0.01
+    assert costs.step_seconds >= 0.02 and costs.seconds_per_token < 0.02 / 64  # a prompt's read draws nothing
     assert drafter.head.cache.length == 0
 
 
