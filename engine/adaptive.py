@@ -223,7 +223,8 @@ class ContextSlope:
         their mean as large as MIN_CONTEXT_STEPS steps' MIN_CONTEXT_SPREAD tokens from it. A sum, not a
         variance, which more steps at one context shrink: served, one plain step after a long prompt
         among the short requests' steps fell under 128 tokens' spread within 85 plain steps, its slope
-        went to 0, and the drafted rows took a plain step's growth for theirs (docs/drafters.md)."""
+        went to 0, and the drafted rows took a plain step's growth for theirs
+        (docs/drafters.md#a-slope-kept-among-short-steps)."""
         weight, zs, zzs = self.sums[0], self.sums[5], self.sums[7]
         return weight > 0.0 and zzs - zs * zs / weight >= MIN_CONTEXT_STEPS * MIN_CONTEXT_SPREAD**2
 
@@ -233,8 +234,8 @@ class ContextSlope:
         if not self.spread():
             return 0.0
         weight, xs, ys, xxs, xys, zs, xzs, zzs = self.sums
-        spread = xxs - xs * xs / weight  # weight times the variance of x
-        return max((xys - less * xzs - xs * (ys - less * zs) / weight) / spread, 0.0) if spread > 0.0 else 0.0
+        x_spread = xxs - xs * xs / weight  # weight times the variance of x
+        return max((xys - less * xzs - xs * (ys - less * zs) / weight) / x_spread, 0.0) if x_spread > 0.0 else 0.0
 
 
 def beats_plain(alpha: float, limit: int, drafting: StepCosts, verify: StepCosts) -> bool:
