@@ -13,6 +13,7 @@ over the same tokens at target-only's step (``step_costs``).
 
     .venv/bin/python bench/studies/auto_overhead.py [--draft copy:int8] [--rounds 2] [--prompts bench [--one-scope]]
     .venv/bin/python bench/studies/auto_overhead.py --priced [--prices 4.4,5.53,6.39,7.43,8.73] [--more-prompts]
+        [--head-step 0.7]
 
 ``--priced``: auto's choices alone, free of the host's noise. Its prices are held at ``PRICES`` (a
 plain step 4.4 ms; a verify 0.9 ms more for the first draft, 0.5 for each further; a head's step
@@ -24,7 +25,9 @@ of the same text into plain steps and ``suffix``'s offers cut to any k, chosen k
 pass (a bound no policy that chooses before the verify reaches with that drafter). ``--prices``: a
 verify's milliseconds by drafts (0 to 4) instead, such as a host's own (its entry named by them);
 ``--more-prompts``: also the prompts of bench/studies/priced_prompts.yaml, a second sample of the
-bench's kinds (types ``more-*``), so what two prompts of a type show can be checked on others.
+bench's kinds (types ``more-*``), so what two prompts of a type show can be checked on others;
+``--head-step``: a head's step in ms instead of HEAD_STEP. A head's step is also charged HEAD_READ a
+token it read beyond a step's two (catching up on what it missed), at which ``auto`` prices it too.
 
 ``--draft``: the draft the engine keeps (default: as the server would, ``copy:auto``, which keeps
 none where the target alone is faster). ``--prompts bench``: the first turn of every prompt of
@@ -69,6 +72,7 @@ PROMPTS = {
 TEMPERATURES = (0.0, 0.8)
 PRICES = {0: 4.4e-3, 1: 5.3e-3, 2: 5.8e-3, 3: 6.3e-3, 4: 6.8e-3}  # --priced: a verify by drafts, seconds
 HEAD_STEP = 0.7e-3  # --priced: a head's (or draft model's) step, seconds
+HEAD_READ = 0.08e-3  # --priced: each token it reads beyond a step's two (catching up), seconds
 BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "prompts.yaml"
 MORE_PROMPTS = Path(__file__).resolve().parent / "priced_prompts.yaml"
 
@@ -154,6 +158,13 @@ class StepTimes:
         return out
 
 
+class HeldReads(dict):
+    """Catch-up prices as set, whatever the catch-ups take (``--priced``)."""
+
+    def __setitem__(self, name: str, seconds: float) -> None:
+        pass
+
+
 class HeldCosts(StepCosts):
     """Prices as set, whatever the steps take (``--priced``)."""
 
@@ -161,15 +172,31 @@ class HeldCosts(StepCosts):
         pass
 
 
-def priced(engine, tokenizer, max_tokens: int, prices: dict[int, float], more: bool = False) -> dict:
+def priced(
+    engine, tokenizer, max_tokens: int, prices: dict[int, float], more: bool = False, head_step: float = HEAD_STEP
+) -> dict:
     """``--priced``: each case's speed under ``suffix`` and ``auto`` over target-only's, modeled at ``prices``."""
     auto = engine.drafter("auto")
     auto.verify = HeldCosts()
     auto.verify.expect(verify=prices)
     for name in auto.draft_costs:
         auto.draft_costs[name] = HeldCosts()
-        auto.draft_costs[name].expect(draft=HEAD_STEP)
+        auto.draft_costs[name].expect(draft=head_step)
+    auto.catch_up, auto.extra_row = HeldReads(dict.fromkeys(auto.draft_costs, HEAD_READ)), {}
     runner, times, scopes = EngineRunner(engine), StepTimes(engine), iter(range(10**9))
+    lags: dict[int, int] = {}  # by step of the request: what a model candidate read before drafting
+
+    def lagged(candidate):
+        propose = candidate.propose
+
+        def timed(token_ids, num_draft_tokens, sampler):
+            lags[len(times.records)] = candidate.lag(token_ids)
+            return propose(token_ids, num_draft_tokens, sampler)
+
+        return timed
+
+    for name in auto.draft_costs:
+        auto.candidates[name].propose = lagged(auto.candidates[name])
     texts: dict[str, list[int]] = {}  # the last run's output by drafter: the target's text for its seed
 
     def modeled(drafter: str, prompt: list[int], sampling: dict | None) -> tuple[float, int]:
@@ -179,7 +206,12 @@ def priced(engine, tokenizer, max_tokens: int, prices: dict[int, float], more: b
         texts[drafter] = run.token_ids
         first, *steps = times.records
         times.records = []
-        drafting = sum(HEAD_STEP * r.num_drafted * (r.drafter in auto.draft_costs) for r in steps)
+        drafting = sum(
+            head_step * r.num_drafted + HEAD_READ * max(lags.get(index, 0) - 2, 0)
+            for index, r in enumerate(steps, start=1)
+            if r.drafter in auto.draft_costs
+        )
+        lags.clear()
         cost = sum(prices[min(r.num_drafted, max(prices))] for r in steps) + drafting
         return cost, max(len(run.token_ids) - first.num_emitted, 0)
 
@@ -258,11 +290,13 @@ def main() -> None:
     parser.add_argument("--priced", action="store_true", help="auto's choices costed at fixed prices")
     parser.add_argument("--prices", help="--priced: a verify's ms by drafts 0-4, comma-separated (default: PRICES)")
     parser.add_argument("--more-prompts", action="store_true", help="--priced: also bench/studies/priced_prompts.yaml")
+    parser.add_argument("--head-step", type=float, help="--priced: a head's step in ms (default: HEAD_STEP)")
     args = parser.parse_args()
     if args.priced:
         loaded = load_engine(EngineConfig(activations="int8"), show_progress=False)
         prices = PRICES if args.prices is None else dict(enumerate(float(ms) / 1e3 for ms in args.prices.split(",")))
-        table = priced(loaded.engine, loaded.tokenizer, args.max_tokens, prices, args.more_prompts)
+        head_step = HEAD_STEP if args.head_step is None else args.head_step / 1e3
+        table = priced(loaded.engine, loaded.tokenizer, args.max_tokens, prices, args.more_prompts, head_step)
         ratios = [row["auto"] for row in table.values()]
         worst = min(table, key=lambda case: table[case]["auto"] / table[case]["suffix"])
         summary = {
@@ -279,8 +313,9 @@ def main() -> None:
             "priced choices"
             + (f" at {args.prices} ms" if args.prices else "")
             + (", more prompts" if args.more_prompts else "")
+            + (f", head step {args.head_step} ms" if args.head_step else "")
         )
-        write_entry(entry, {"prices_s": prices, "head_step_s": HEAD_STEP, **summary, "results": table})
+        write_entry(entry, {"prices_s": prices, "head_step_s": head_step, **summary, "results": table})
         for case, row in table.items():
             print(case, row, "auto over suffix %.3f" % (row["auto"] / row["suffix"]))
         print(summary)

@@ -1,4 +1,4 @@
-"""Study: how often does a text match's first draft pass, by match length and sampling? Answer: docs/drafters.md#damped-requests, docs/drafters.md#a-split-continuation.
+"""Study: how often does a text match's first draft pass, by match length and sampling? Answer: docs/drafters.md#damped-requests, docs/drafters.md#a-split-continuation, docs/drafters.md#a-damped-head.
 
 Where ``auto``'s text-match priors come from (engine/drafters/auto_state.py, MATCH_PRIORS and
 DAMPED_MATCH_PRIORS). ``suffix`` alone drafts the first turn of every chat, prose, code and summarise
@@ -9,9 +9,12 @@ filed by the length of the match it continues (1, 2-3, 4-7, 8 or more tokens: ``
 match of 1 to 3 whose first draft was one of several continuations seen after it apart: ``suffix@1?``,
 ``suffix@2?``) and by type (chat and prose; code and summaries): how many passed of how many were drafted.
 
-    .venv/bin/python bench/studies/match_acceptance.py [--max-tokens 96]
+    .venv/bin/python bench/studies/match_acceptance.py [--max-tokens 96] [--head]
 
-Writes the "match acceptance" entry of bench/results/auto_choices.json.
+Writes the "match acceptance" entry of bench/results/auto_choices.json. ``--head``: the shipped EAGLE-3
+head's one-draft steps instead (``eagle3`` alone at k = 1), whose first drafts passed, by type and
+sampling, where ``auto``'s prior for a damped request comes from (DAMPED_MODEL_FACTOR): the entry
+"head acceptance".
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ SETTINGS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--head", action="store_true", help="the EAGLE-3 head's first drafts, not suffix's")
     args = parser.parse_args()
+    if args.head:
+        return head_acceptance(args.max_tokens)
     loaded = load_engine(EngineConfig(drafter="suffix", draft=None, max_model_len=4096), show_progress=False)
     engine, suffix = loaded.engine, loaded.engine.drafter("suffix")
     drafted: list[tuple[int, bool, int]] = []  # (match length, split, first draft passed) per drafted step
@@ -87,12 +93,40 @@ def main() -> None:
             group: {track: f"{p}/{n}" for track, (p, n) in sorted(by.items())} for group, by in counts.items()
         }
         print(setting, results[setting], flush=True)
+    write("match acceptance", "first drafts of suffix alone that passed, of those drafted", args.max_tokens, results)
+
+
+def head_acceptance(max_tokens: int) -> None:
+    """``--head``: the head drafting one token a step, alone, on the same prompts and settings."""
+    config = EngineConfig(drafter="eagle3", draft=None, num_draft_tokens=1, max_model_len=4096)
+    loaded = load_engine(config, show_progress=False)
+    engine = loaded.engine
+    prompts = [(kind, chat_ids(loaded.tokenizer, messages)) for kind, messages in bench_prompts() if kind in GROUPS]
+    results: dict = {}
+    for setting, sampling in SETTINGS.items():
+        counts: dict = defaultdict(lambda: [0, 0])  # group -> [passed, drafted]
+        for index, (kind, prompt_ids) in enumerate(prompts):
+            for seed in (0, 1) if sampling["temperature"] else (0,):
+                params = SamplingParams(max_tokens=max_tokens, seed=seed, **{"repetition_penalty": 1.0, **sampling})
+                scope = f"{setting}/{kind}{index}/{seed}"
+                *_, last = engine.generate(Request(scope, prompt_ids, params, drafter="eagle3", tenant=scope))
+                tally = counts[GROUPS[kind]]
+                tally[0] += last.stats.accepted_tokens
+                tally[1] += last.stats.drafted_tokens
+        results[setting] = {group: f"{p}/{n} = {p / max(n, 1):.3f}" for group, (p, n) in counts.items()}
+        print(setting, results[setting], flush=True)
+    write(
+        "head acceptance", "the EAGLE-3 head's drafts (one a step) that passed, of those drafted", max_tokens, results
+    )
+
+
+def write(entry: str, study: str, max_tokens: int, results: dict) -> None:
     out = BENCH / "results" / "auto_choices.json"
     report = json.loads(out.read_text()) if out.is_file() else {}
-    report["match acceptance"] = {
+    report[entry] = {
         "host": host(bandwidth=False),
-        "study": "bench/studies/match_acceptance.py: first drafts of suffix alone that passed, of those drafted",
-        "max_tokens": args.max_tokens,
+        "study": f"bench/studies/match_acceptance.py: {study}",
+        "max_tokens": max_tokens,
         "results": results,
     }
     out.write_text(json.dumps(report, indent=2) + "\n")

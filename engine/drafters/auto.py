@@ -1,13 +1,14 @@
 """auto: at every step, the candidate drafter (and k) with the most expected tokens per second.
 
-Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with a head (named, or
-shipped for the target, priced by its own timing); and drafting nothing (k = 0). For candidate c at k drafts the
+Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with a head (named,
+or shipped for the target, priced by its own timing); and drafting nothing (k = 0). For candidate c at k drafts the
 expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds. The acceptance a_c is this request's
 own, pooled over the steps c ran (recent ones weigh more), from a prior its scope's finished requests move (a draft
-model's: its agreement measured at start-up, or a head's recorded beside it, worth 8 tokens of evidence; a text
-match's 2, as it holds or breaks with the text). A text match's draft i passes, once those before it did, as a match
-i - 1 tokens longer does. Draft cost d_c and verify cost v(k) are timed at start-up, then live, shared by requests
-(``StepCosts``: v(0), a plain step, apart; v over k >= 1 as a line; each grows with the context).
+model's: its agreement measured at start-up, or a head's recorded beside it, worth 8 tokens of evidence, and in a
+request sampled hot or penalising repeats, apart and lower: ``eagle3~``; a text match's 2, as it holds or breaks
+with the text). A text match's draft i passes, once those before it did, as a match i - 1 tokens longer does. Draft
+cost d_c and verify cost v(k) are timed at start-up, then live, shared by requests (``StepCosts``: v(0), a plain
+step, apart; v over k >= 1 as a line; each grows with the context).
 
 Text matching is asked first at every step, since its proposal costs next to nothing to make: the choice then knows
 how many tokens it offers and how long a match they continue, and its acceptance is tracked per match length
@@ -49,8 +50,11 @@ from .auto_state import (
     StepChoice,
     continued,
     damps_repeats,
+    is_text,
     match_priors,
     match_track,
+    model_track,
+    with_damped_tracks,
 )
 from .base import Drafter, DraftResources, Proposal
 from .eagle3 import head_drafter
@@ -77,7 +81,7 @@ class AutoDrafter(Drafter):
         self.verify = StepCosts()  # verify cost by k, whatever drafted
         self.catch_up: dict[str, float] = {}  # seconds per token a candidate takes to read what it missed
         self.extra_row: dict[str, float] = {}  # seconds per row beyond the first of a short read
-        self.priors = dict.fromkeys(readers, ALPHA_PRIOR)  # by track, as start-up knows them
+        self.priors = with_damped_tracks(dict.fromkeys(readers, ALPHA_PRIOR))  # by track, as start-up knows them
         texts = self._texts = [name for name in candidates if name not in readers]  # text matchers: ``offer``
         self.priors |= match_priors(texts)
         self.scope_priors = ScopePriors(self.priors, PRIOR_WEIGHT)  # as each scope's requests moved them
@@ -107,7 +111,8 @@ class AutoDrafter(Drafter):
         for name, candidate in self.candidates.items():  # a model of its own (an EAGLE-3 head): its own price
             if (own := candidate.own_costs() if candidate.runs_model else None) is not None:
                 self.draft_costs[name] = StepCosts(draft=own.step_seconds, provisional_draft=True)
-                self.catch_up[name], self.priors[name] = own.seconds_per_token, own.acceptance or ALPHA_PRIOR
+                self.catch_up[name] = own.seconds_per_token
+                self.priors |= with_damped_tracks({name: own.acceptance or ALPHA_PRIOR})
                 self.extra_row.pop(name, None)
         self._request = RequestState(alpha=dict(self.priors), priors=dict(self.priors))
 
@@ -129,7 +134,7 @@ class AutoDrafter(Drafter):
         request = self._request
         request.step, request.damped = request.step + 1, damps_repeats(sampler.params)
         self.verify.at(len(token_ids))  # priced, then timed, at the step's context
-        self._score_declined(token_ids)
+        request.score_declined(token_ids)
         offers = self._offers(token_ids, num_draft_tokens)
         text_step = self._text_step(offers) if self.verify.knows(0) else None
         if text_step is not None:
@@ -143,7 +148,7 @@ class AutoDrafter(Drafter):
             drafts, choice.track = offers[name]
             proposal = Proposal(upload(drafts[:k], sampler.device), None)  # its best length
         elif name is not None and k > 0:
-            proposal, choice.track = self.candidates[name].propose(token_ids, k, sampler), name
+            proposal, choice.track = self.candidates[name].propose(token_ids, k, sampler), self._track(name)
         else:
             proposal = Proposal.empty(sampler.device)
         if choice.track is not None:
@@ -195,39 +200,23 @@ class AutoDrafter(Drafter):
     def _observe(self, track: str, accepted: int, drafted: int) -> None:
         """A step's drafts: ``accepted`` passed of ``drafted``, pooled into their tracks' acceptance
         (``RequestState.pool``), a text match's draft i as the match i - 1 tokens longer's."""
-        if track in self.draft_costs:
+        if not is_text(track):
             self._request.pool([track] * drafted, accepted, MODEL_PRIOR_TOKENS)
         else:
             self._request.pool(continued(track, drafted), accepted)
 
-    def _score_declined(self, token_ids: list[int]) -> None:
-        """Score the text offers earlier steps declined, each once the committed tokens have passed
-        it, by how many of its drafts they match: how many would have passed. (A deterministic draft
-        passes with the target's probability of it, which is the chance the step commits it, and the
-        next, once it did, with the next token's: greedy, exactly when they are the tokens.) Evidence
-        as good as a drafted step's, for free, so a track learned low elsewhere recovers where this
-        text repeats; and learned from every offer, where drafted steps alone, taken when the estimate
-        ran high, fell short of it (regression to the mean) and priced weak matches low. One taken in
-        part is scored past the ``taken`` drafts where they passed: else a match cut short stays so."""
-        request, pending = self._request, []
-        for position, drafts, track, taken in request.declined:
-            seen = token_ids[position : position + len(drafts)]
-            matched = next((i for i, token in enumerate(seen) if token != drafts[i]), len(seen))
-            if matched == len(seen) < len(drafts):  # the text has not passed it yet
-                pending.append((position, drafts, track, taken))
-            elif matched >= taken:  # (a part taken and rejected says nothing of what followed it)
-                request.pool(continued(track, len(drafts))[taken:], matched - taken)
-                request.last_tried[track] = request.step
-        request.declined = pending
-
     def _alpha(self, track: str) -> float:
         return self._request.alpha.get(track, self._request.priors.get(track, ALPHA_PRIOR))
+
+    def _track(self, name: str) -> str:
+        """A model candidate's track in this request (``model_track``)."""
+        return model_track(name, self._request.damped)
 
     def _drafts_passing(self, track: str, k: int) -> float:
         """Drafts of k expected to pass: geometric at the track's acceptance, for a text match along
         the tracks its drafts continue (a match that held one more token is a match one token longer:
         after a one-token match's first draft passes, the next is a two-token match's)."""
-        if track in self.draft_costs:
+        if not is_text(track):
             return expected_tokens(self._alpha(track), k) - 1
         passing, chance = 0.0, 1.0
         for each in continued(track, k):
@@ -280,7 +269,7 @@ class AutoDrafter(Drafter):
 
     def expect_agreement(self, acceptance: float) -> None:
         """Start-up's measure of the draft model's acceptance: its candidates' prior."""
-        self.priors |= dict.fromkeys(self.draft_costs, acceptance)
+        self.priors |= with_damped_tracks(dict.fromkeys(self.draft_costs, acceptance))
         self._request = RequestState(alpha=dict(self.priors), priors=dict(self.priors))
 
     def _reads(self, name: str | None) -> bool:
@@ -323,12 +312,13 @@ class AutoDrafter(Drafter):
         paced_tokens, paced_seconds = request.text_pace
         best_rate = max(tokens / seconds, paced_tokens / paced_seconds if paced_seconds else 0.0)
         for name, costs in self.draft_costs.items():
+            track = self._track(name)
             for k in range(1, limit + 1):
-                tokens = self._tokens(name, k)
+                tokens = self._tokens(track, k)
                 seconds = k * costs.draft + self.verify.verify_cost(k) + catch_up[name] * tokens / horizon
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
-        # Probes keep a draft model's acceptance current (text matching needs none: ``_score_declined``)
+        # Probes keep a draft model's acceptance current (text matching needs none: ``RequestState.score_declined``)
         # where the best is another model or a plain step, never a text match (taken without detour), at
         # one token, once unused a while (probe_every steps at acceptance 0.5, longer for a weaker one) and
         # with little to catch up. One whose live step could not beat plain decoding even at the most it
@@ -337,10 +327,11 @@ class AutoDrafter(Drafter):
             return best
         plain_step, due = self.verify.verify_cost(0), self.probe_every * PROBE_ALPHA
         for name, costs in self.draft_costs.items():
-            unused = (request.step - request.last_tried.get(name, 0)) * self._alpha(name)
+            track = self._track(name)
+            unused = (request.step - request.last_tried.get(name, 0)) * self._alpha(track)
             if name == best[0] or unused <= due or catch_up[name] > PROBE_CATCH_UP * plain_step:
                 continue  # not due (whether it could pay is asked only then), or dear to catch up
-            most = max(request.priors.get(name, ALPHA_PRIOR), self._alpha(name))
+            most = max(request.priors.get(track, ALPHA_PRIOR), self._alpha(track))
             hopeless = not costs.provisional_draft and not beats_plain(most, limit, costs, self.verify)
             if unused > due * (RARELY if hopeless else 1):
                 return name, 1

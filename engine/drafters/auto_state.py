@@ -41,6 +41,12 @@ DAMPED = "~"  # what ends a damped request's track
 SPLIT_MATCH_PRIORS = {1: 0.1, 2: 0.3}
 DAMPED_SPLIT_MATCH_PRIORS = {1: 0.05, 2: 0.15}
 SPLIT = "?"  # what marks a split continuation's track, before DAMPED
+# A model candidate's drafts (a draft model's, a head's) in a damped request pass less often than a greedy
+# one's: on a track of its own (``eagle3~``), from its prior times this. The shipped head's one-draft steps
+# on the bench's chat and prose / code and summaries (bench/studies/match_acceptance.py --head): greedy
+# 0.335 / 0.323 passed, at 0.8 0.256 / 0.266, at 1.0 0.167 / 0.205, greedy under a repetition penalty of
+# 1.1 and top_p 0.9 0.249 / 0.279 (docs/drafters.md#a-damped-head).
+DAMPED_MODEL_FACTOR = 0.75
 SHIFT_SPREAD = 1.5  # the spread (sd, in log-odds) of requests' text shifts about their priors
 SHIFT_ITERATIONS = 2  # Newton steps per refit, from the last shift
 
@@ -69,6 +75,16 @@ def match_priors(names: list[str]) -> dict[str, float]:
         for damped, split, priors in tables
         for length, prior in priors.items()
     }
+
+
+def model_track(name: str, damped: bool) -> str:
+    """eagle3~: the model candidate's track in a damped request."""
+    return f"{name}{DAMPED}" if damped else name
+
+
+def with_damped_tracks(priors: dict[str, float]) -> dict[str, float]:
+    """Model candidates' priors by name, with their damped tracks' beside them (DAMPED_MODEL_FACTOR)."""
+    return priors | {model_track(name, True): DAMPED_MODEL_FACTOR * prior for name, prior in priors.items()}
 
 
 @cache
@@ -109,7 +125,7 @@ class RequestState:
     # (tokens, seconds) text matching or plain decoding made of the last few steps: a draft step must beat it
     text_pace: tuple[float, float] = (0.0, 0.0)
     # text offers steps did not take, (position, drafts, track, drafts taken): the tokens committed from
-    # there say how many of its drafts would have passed (``AutoDrafter._score_declined``)
+    # there say how many of its drafts would have passed (``score_declined``)
     declined: list[tuple[int, tuple[int, ...], str, int]] = field(default_factory=list)
     # (steps a text match took, steps), older ones faded, from LEFT_PRIOR_STEPS it did not take: a
     # draft model that catches up drafts only on the steps text matching leaves to others, so its
@@ -117,7 +133,7 @@ class RequestState:
     text_taken: tuple[float, float] = field(default_factory=lambda: (0.0, LEFT_PRIOR_STEPS))
     step: int = 0
     last_made: int = 1  # tokens the last step made (served, the next step's verify waits on their events)
-    damped: bool = False  # sampled hot or penalising repeats: its text matches' tracks are its own
+    damped: bool = False  # sampled hot or penalising repeats: its text matches' and models' tracks are their own
     # log-odds by which this request's text matches pass more (or less) often than their priors say,
     # whatever their length: one shift, fitted to every text track's evidence (``_fit_shift``)
     shift: float = 0.0
@@ -138,6 +154,26 @@ class RequestState:
         """The faded share of this request's steps text matching did not take (1 before any)."""
         taken, steps = self.text_taken
         return 1.0 - taken / steps
+
+    def score_declined(self, token_ids: list[int]) -> None:
+        """Score the text offers earlier steps declined, each once the committed tokens have passed
+        it, by how many of its drafts they match: how many would have passed. (A deterministic draft
+        passes with the target's probability of it, which is the chance the step commits it, and the
+        next, once it did, with the next token's: greedy, exactly when they are the tokens.) Evidence
+        as good as a drafted step's, for free, so a track learned low elsewhere recovers where this
+        text repeats; and learned from every offer, where drafted steps alone, taken when the estimate
+        ran high, fell short of it (regression to the mean) and priced weak matches low. One taken in
+        part is scored past the ``taken`` drafts where they passed: else a match cut short stays so."""
+        pending = []
+        for position, drafts, track, taken in self.declined:
+            seen = token_ids[position : position + len(drafts)]
+            matched = next((i for i, token in enumerate(seen) if token != drafts[i]), len(seen))
+            if matched == len(seen) < len(drafts):  # the text has not passed it yet
+                pending.append((position, drafts, track, taken))
+            elif matched >= taken:  # (a part taken and rejected says nothing of what followed it)
+                self.pool(continued(track, len(drafts))[taken:], matched - taken)
+                self.last_tried[track] = self.step
+        self.declined = pending
 
     def pool(self, tracks: Sequence[str], accepted: int, prior_tokens: float = PRIOR_TOKENS) -> None:
         """One step's drafts, each on the track it was accepted on: the first ``accepted`` passed,

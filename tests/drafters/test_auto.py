@@ -11,7 +11,15 @@ import torch
 
 from engine import adaptive
 from engine.adaptive import ScopePriors, StepCosts, expected_tokens
-from engine.drafters.auto_state import DAMPED_MATCH_PRIORS, MATCH_PRIORS, SPLIT_MATCH_PRIORS, continued, match_track
+from engine.drafters.auto_state import (
+    DAMPED_MATCH_PRIORS,
+    DAMPED_MODEL_FACTOR,
+    MATCH_PRIORS,
+    SPLIT_MATCH_PRIORS,
+    continued,
+    damps_repeats,
+    match_track,
+)
 from engine.factory import warm_up
 from engine.measure import CONTEXT_CHUNK, VERIFY_CONTEXT, robust_line, verify_prices, verify_seconds
 from engine.request import Request
@@ -163,7 +171,7 @@ def test_a_damped_request_prices_its_text_matches_on_tracks_of_their_own():
         (0.0, 1.1, "none", "suffix@1~"),
     ):
         auto.begin(prompt)
-        auto._request.alpha |= {"model": 0.0, "staged": 0.0}
+        auto._request.alpha |= dict.fromkeys(["model", "staged", "model~", "staged~"], 0.0)
         auto._request.last_tried = dict.fromkeys([*auto.candidates, *auto.priors], 0)
         params = SamplingParams(temperature=temperature, repetition_penalty=penalty)
         sampler = RequestSampler(params, 96, torch.device("cpu"), prompt, seed=0)
@@ -172,6 +180,32 @@ def test_a_damped_request_prices_its_text_matches_on_tracks_of_their_own():
         assert auto._choice.track == (track if drafter == "suffix" else None)
         assert auto._request.declined == ([] if drafter == "suffix" else [(len(prompt), (10,), track, 0)])
         auto.accept(len(prompt))
+
+
+def test_a_damped_request_prices_its_model_candidates_on_tracks_of_their_own():
+    """A draft model's (or head's) drafts pass less often where the request samples hot or penalises
+    repeats (the shipped head: 0.26 at 0.8, 0.25 under a penalty, against 0.33 greedy): such a request
+    prices them on a track of its own (``model~``) from a lower prior, so where the greedy prior pays
+    one draft, a damped request decodes plainly; and what its steps learn leaves the greedy track be."""
+    auto = auto_engine().drafter("auto")
+    auto.expect_agreement(0.4)
+    assert auto.priors["model~"] == pytest.approx(DAMPED_MODEL_FACTOR * 0.4) and auto.priors["model"] == 0.4
+    prompt = [1, 2, 3]
+    for temperature, penalty, chosen in ((0.0, 1.0, ("model", 1)), (0.8, 1.0, (None, 0)), (0.0, 1.1, (None, 0))):
+        auto.begin(prompt, tenant=f"{temperature} {penalty}")  # each its own scope: start-up's priors
+        auto.verify = StepCosts(0.0, {k: 0.030 + 0.002 * k for k in range(5)})  # one draft pays above 1/3
+        auto.draft_costs = {"model": StepCosts(0.008), "staged": StepCosts(1.0)}
+        sampler = RequestSampler(
+            SamplingParams(temperature=temperature, repetition_penalty=penalty), 96, torch.device("cpu"), prompt, 0
+        )
+        auto._request.damped = damps_repeats(sampler.params)
+        assert auto._choose(prompt, 4) == chosen
+        auto._request.alpha["model~"] = 0.9  # a damped request whose drafts do pass: they pass on its track
+        proposal = auto.propose(prompt, 1, sampler)
+        assert proposal.drafter == "model" and auto._choice.track == ("model~" if chosen[0] is None else "model")
+        auto.accept(len(prompt))  # the draft failed
+        assert ("model~" in auto._request.evidence) == (chosen[0] is None)
+        assert auto._request.alpha["model"] == 0.4 if chosen[0] is None else auto._request.alpha["model"] < 0.4
 
 
 def test_a_text_match_that_holds_one_more_token_is_priced_as_the_longer_match():
@@ -262,16 +296,16 @@ def test_a_declined_text_offer_is_scored_by_how_many_of_its_drafts_the_committed
     estimate ran high, and they fell short of it: greedy code lost 6% of its steps to `suffix` alone."""
     auto = priced_auto({0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@1": 0.3})
     auto._request.declined = [(3, (7, 9), "suffix@1", 0), (4, (8, 5, 6), "suffix@2", 0)]
-    auto._score_declined([1, 2, 3, 7, 8, 5])  # 7 then 8 at 3: the first draft passed, the second not
+    auto._request.score_declined([1, 2, 3, 7, 8, 5])  # 7 then 8 at 3: the first draft passed, the second not
     assert auto._request.evidence == {"suffix@1": (1, 0), "suffix@2": (0, 1)}
     assert auto._request.last_tried["suffix@1"] == auto._request.step
     assert auto._request.declined == [(4, (8, 5, 6), "suffix@2", 0)]  # 8, 5 so far: its third is not yet known
-    auto._score_declined([1, 2, 3, 7, 8, 5, 6, 4])  # all three held
+    auto._request.score_declined([1, 2, 3, 7, 8, 5, 6, 4])  # all three held
     assert auto._request.evidence["suffix@2"] == (2, 0.9) and auto._request.evidence["suffix@4"] == (1, 0)
     assert not auto._request.declined
     auto._request.declined = [(4, (9,), "suffix@1", 0)]
     held = auto._alpha("suffix@1")
-    auto._score_declined([1, 2, 3, 7, 8])  # 8, not 9
+    auto._request.score_declined([1, 2, 3, 7, 8])  # 8, not 9
     assert auto._alpha("suffix@1") < held
 
 
@@ -283,7 +317,7 @@ def test_an_offer_taken_in_part_is_scored_past_its_taken_drafts_where_they_passe
     unless a taken draft was rejected (what followed a rejected token says nothing)."""
     auto = priced_auto({0: 0.030, 1: 0.033, 2: 0.034, 3: 0.035, 4: 0.036}, 0.010, {"suffix@2": 0.6})
     auto._request.declined = [(3, (7, 8, 9, 5), "suffix@2", 2), (3, (5, 8, 9), "suffix@2", 1)]
-    auto._score_declined([1, 2, 3, 7, 8, 9, 4])  # the first two passed, then the third; the fourth not
+    auto._request.score_declined([1, 2, 3, 7, 8, 9, 4])  # the first two passed, then the third; the fourth not
     # the first offer's drafts 3 and 4 continue the match 4 and 5 tokens long; the second's taken draft failed
     assert auto._request.evidence == {"suffix@4": (1, 1)}
     assert not auto._request.declined
@@ -372,12 +406,14 @@ def test_acceptance_is_learned_per_request_and_costs_across_requests():
     params = SamplingParams(max_tokens=40, temperature=1.0)
     list(engine.generate(Request("a", [1, 2, 3], params, drafter="auto")))
     assert all(costs.draft is not None for costs in auto.draft_costs.values())  # measured, kept for later
-    learned = auto._request.alpha["model"]
-    assert learned < 0.7
+    prior = auto.priors["model~"]  # sampled hot: the model's damped track, from a lower prior
+    assert prior == DAMPED_MODEL_FACTOR * auto.priors["model"]
+    learned = auto._request.alpha["model~"]
+    assert learned < prior
     auto.begin([4, 5, 6])
     # the next request starts from the prior, which moved toward what the last request measured
-    assert auto._request.alpha["model"] == pytest.approx(0.7 * 0.7 + 0.3 * learned)
-    assert learned < auto._request.alpha["model"] < 0.7
+    assert auto._request.alpha["model~"] == pytest.approx(0.7 * prior + 0.3 * learned)
+    assert learned < auto._request.alpha["model~"] < prior
 
 
 def test_a_seeded_request_under_an_auto_default_keeps_auto_and_repeats_the_targets_text():
