@@ -1,38 +1,40 @@
 """auto: at every step, the candidate drafter (and k) with the most expected tokens per second.
 
-Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with a head (named,
-or shipped for the target, priced by its own timing); and drafting nothing (k = 0). For candidate c at k drafts the
-expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds. The acceptance a_c is this request's
-own, pooled over the steps c ran (recent ones weigh more), from a prior its scope's finished requests move (a draft
-model's: its agreement measured at start-up, or a head's recorded beside it, worth 8 tokens of evidence, and in a
-request sampled hot or penalising repeats, apart and lower: ``eagle3~``; a text match's 2, as it holds or breaks
-with the text). A text match's draft i passes, once those before it did, as a match i - 1 tokens longer does. Draft
-cost d_c and verify cost v(k) are timed at start-up, then live, shared by requests (``StepCosts``: v(0), a plain
-step, apart; v over k >= 1 as a line; each grows with the context).
+Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with a head
+(named, or shipped for the target, priced by its own timing); and drafting nothing (k = 0). For candidate c
+at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds. The
+acceptance a_c is this request's own, pooled over the steps c ran (recent ones weigh more), from a prior its
+scope's finished requests move (a draft model's: its agreement measured at start-up, or a head's recorded
+beside it, worth 8 tokens of evidence, and in a request sampled hot or penalising repeats, apart and lower:
+``eagle3~``; a text match's 2, as it holds or breaks with the text). A text match's draft i passes, once
+those before it did, as a match i - 1 tokens longer does. Draft cost d_c and verify cost v(k) are timed at
+start-up, then live, shared by requests (``StepCosts``: v(0), a plain step, apart; v over k >= 1 as a line;
+each grows with the context).
 
-Text matching is asked first at every step, since its proposal costs next to nothing to make: the choice then knows
-how many tokens it offers and how long a match they continue, and its acceptance is tracked per match length
-(``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a longer one mostly does; a request sampled hot
-or penalising repeats on tracks of its own: ``@2~``), so a long match wins the step and a weak one leaves it to plain
-decoding or the draft model. Its cost is its verify rows alone. An offer the step declines is scored, once the text
-has passed it, by how many of its drafts the committed tokens match: what the offer would have yielded, so its
-acceptance stays current without probes, and is learned from every offer, not only from those whose estimate was high.
-A draft model's step must also beat the pace text matching (or plain decoding) kept over the last few steps, each
-halving the weight of those before: where the text repeats, a plain step reaches the next match sooner than four
-drafts.
+Text matching is asked first at every step, since its proposal costs next to nothing to make: the choice
+then knows how many tokens it offers and how long a match they continue, and its acceptance is tracked per
+match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a longer one mostly
+does; a request sampled hot or penalising repeats on tracks of its own: ``@2~``), so a long match wins the
+step and a weak one leaves it to plain decoding or the draft model. Its cost is its verify rows alone. An
+offer the step declines is scored, once the text has passed it, by how many of its drafts the committed
+tokens match: what the offer would have yielded, so its acceptance stays current without probes, and is
+learned from every offer, not only from those whose estimate was high. A draft model's step must also beat
+the pace text matching (or plain decoding) kept over the last few steps, each halving the weight of those
+before: where the text repeats, a plain step reaches the next match sooner than four drafts.
 
-A draft model that has not run lately must first read what it missed (at a request's start, the whole prompt; after
-another candidate's run, a few tokens): that catch-up, at its measured cost (per token of a prefill; per extra row of
-a short read, which on CPU in bfloat16 costs a large part of a step), is spread over the next ``HORIZON`` tokens when
-candidates are compared, so a long prompt is not prefilled into a draft that cannot win it back; times the faded share
-of steps text matching left to others, since the draft will run only on those. (A draft that copies the target's keys
-and values, ``draft_kv``, has nothing to catch up on.) Where the step's best is another, a draft model unused for a
-while (``probe_every`` steps at acceptance 0.5; longer below, sooner above) drafts one token; one whose live-timed
-step could not beat plain decoding at any k even at the most it may accept (an int8 copy as dear as the target) is
-probed ``RARELY`` times less often.
+A draft model that has not run lately must first read what it missed (at a request's start, the whole
+prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost (per token of a
+prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part of a step), is spread
+over the next ``HORIZON`` tokens when candidates are compared, so a long prompt is not prefilled into a
+draft that cannot win it back; times the faded share of steps text matching left to others, since the draft
+will run only on those. (A draft that copies the target's keys and values, ``draft_kv``, has nothing to
+catch up on.) Where the step's best is another, a draft model unused for a while (``probe_every`` steps at
+acceptance 0.5; longer below, sooner above) drafts one token; one whose live-timed step could not beat plain
+decoding at any k even at the most it may accept (an int8 copy as dear as the target) is probed ``RARELY``
+times less often.
 
-Every choice depends only on earlier steps and the committed tokens, never on the current step's
-random draws, so the output is still distributed exactly as the target's.
+Every choice depends only on earlier steps and the committed tokens, never on the current step's random
+draws, so the output is still distributed exactly as the target's.
 """
 
 from __future__ import annotations
@@ -318,11 +320,12 @@ class AutoDrafter(Drafter):
                 seconds = k * costs.draft + self.verify.verify_cost(k) + catch_up[name] * tokens / horizon
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
-        # Probes keep a draft model's acceptance current (text matching needs none: ``RequestState.score_declined``)
-        # where the best is another model or a plain step, never a text match (taken without detour), at
-        # one token, once unused a while (probe_every steps at acceptance 0.5, longer for a weaker one) and
-        # with little to catch up. One whose live step could not beat plain decoding even at the most it
-        # may accept (its prior or this request's estimate, the higher) is probed RARELY as often.
+        # Probes keep a draft model's acceptance current (text matching needs none: its declined offers
+        # are scored, ``RequestState.score_declined``) where the best is another model or a plain step,
+        # never a text match (taken without detour), at one token, once unused a while (probe_every steps
+        # at acceptance 0.5, longer for a weaker one) and with little to catch up. One whose live step could
+        # not beat plain decoding even at the most it may accept (its prior or this request's estimate, the
+        # higher) is probed RARELY as often.
         if best[0] in offers:
             return best
         plain_step, due = self.verify.verify_cost(0), self.probe_every * PROBE_ALPHA
