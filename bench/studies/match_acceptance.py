@@ -58,7 +58,7 @@ def main() -> None:
     if args.head:
         return head_acceptance(args.max_tokens)
     loaded = load_engine(EngineConfig(drafter="suffix", draft=None, max_model_len=4096), show_progress=False)
-    engine, suffix = loaded.engine, loaded.engine.drafter("suffix")
+    suffix = loaded.engine.drafter("suffix")
     drafted: list[tuple[int, bool, int]] = []  # (match length, split, first draft passed) per drafted step
     offer, accept, pending = suffix.offer, suffix.accept, {}
 
@@ -73,22 +73,16 @@ def main() -> None:
         accept(num_committed)
 
     suffix.offer, suffix.accept = offering, accepting
-    prompts = [(kind, chat_ids(loaded.tokenizer, messages)) for kind, messages in bench_prompts() if kind in GROUPS]
+    prompts = first_turns(loaded.tokenizer)
     results: dict = {}
     for setting, sampling in SETTINGS.items():
         counts: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # group -> track -> [passed, drafted]
-        for index, (kind, prompt_ids) in enumerate(prompts):
-            for seed in (0, 1) if sampling["temperature"] else (0,):
-                drafted.clear()
-                params = SamplingParams(
-                    max_tokens=args.max_tokens, seed=seed, **{"repetition_penalty": 1.0, **sampling}
-                )
-                scope = f"{setting}/{kind}{index}/{seed}"
-                list(engine.generate(Request(scope, prompt_ids, params, drafter="suffix", tenant=scope)))
-                for length, split, passed in drafted:
-                    tally = counts[GROUPS[kind]][match_track("suffix", length, split=split)]
-                    tally[0] += passed
-                    tally[1] += 1
+        for group, _ in requests(loaded.engine, prompts, "suffix", args.max_tokens, setting, sampling):
+            for length, split, passed in drafted:
+                tally = counts[group][match_track("suffix", length, split=split)]
+                tally[0] += passed
+                tally[1] += 1
+            drafted.clear()
         results[setting] = {
             group: {track: f"{p}/{n}" for track, (p, n) in sorted(by.items())} for group, by in counts.items()
         }
@@ -100,24 +94,34 @@ def head_acceptance(max_tokens: int) -> None:
     """``--head``: the head drafting one token a step, alone, on the same prompts and settings."""
     config = EngineConfig(drafter="eagle3", draft=None, num_draft_tokens=1, max_model_len=4096)
     loaded = load_engine(config, show_progress=False)
-    engine = loaded.engine
-    prompts = [(kind, chat_ids(loaded.tokenizer, messages)) for kind, messages in bench_prompts() if kind in GROUPS]
+    prompts = first_turns(loaded.tokenizer)
     results: dict = {}
     for setting, sampling in SETTINGS.items():
         counts: dict = defaultdict(lambda: [0, 0])  # group -> [passed, drafted]
-        for index, (kind, prompt_ids) in enumerate(prompts):
-            for seed in (0, 1) if sampling["temperature"] else (0,):
-                params = SamplingParams(max_tokens=max_tokens, seed=seed, **{"repetition_penalty": 1.0, **sampling})
-                scope = f"{setting}/{kind}{index}/{seed}"
-                *_, last = engine.generate(Request(scope, prompt_ids, params, drafter="eagle3", tenant=scope))
-                tally = counts[GROUPS[kind]]
-                tally[0] += last.stats.accepted_tokens
-                tally[1] += last.stats.drafted_tokens
+        for group, last in requests(loaded.engine, prompts, "eagle3", max_tokens, setting, sampling):
+            counts[group][0] += last.stats.accepted_tokens
+            counts[group][1] += last.stats.drafted_tokens
         results[setting] = {group: f"{p}/{n} = {p / max(n, 1):.3f}" for group, (p, n) in counts.items()}
         print(setting, results[setting], flush=True)
     write(
         "head acceptance", "the EAGLE-3 head's drafts (one a step) that passed, of those drafted", max_tokens, results
     )
+
+
+def first_turns(tokenizer) -> list[tuple[str, list[int]]]:
+    """(type, token ids) of the first turn of every prompt of bench/prompts.yaml of GROUPS' types."""
+    return [(kind, chat_ids(tokenizer, messages)) for kind, messages in bench_prompts() if kind in GROUPS]
+
+
+def requests(engine, prompts: list[tuple[str, list[int]]], drafter: str, max_tokens: int, setting: str, sampling: dict):
+    """``drafter`` alone on ``prompts`` under one setting, seeded 0 and 1 where sampled, each request its
+    own scope: (its group, its last output) as each ends."""
+    for index, (kind, prompt_ids) in enumerate(prompts):
+        for seed in (0, 1) if sampling["temperature"] else (0,):
+            params = SamplingParams(max_tokens=max_tokens, seed=seed, **{"repetition_penalty": 1.0, **sampling})
+            scope = f"{setting}/{kind}{index}/{seed}"
+            *_, last = engine.generate(Request(scope, prompt_ids, params, drafter=drafter, tenant=scope))
+            yield GROUPS[kind], last
 
 
 def write(entry: str, study: str, max_tokens: int, results: dict) -> None:
