@@ -67,6 +67,7 @@ HORIZON = 64  # tokens over which a candidate's catch-up is paid back, where tex
 PROBE_ALPHA = 0.5  # the acceptance at which an unused draft model is probed after probe_every steps
 RARELY = 8  # how many times longer a draft model that cannot pay here goes unprobed
 PROBE_CATCH_UP = 0.25  # the most a probe may spend catching up, in plain steps (docs/drafters.md)
+Offers = dict[str, tuple[list[int], str]]  # by text matcher: what it would draft now, and the track it is priced on
 
 
 class AutoDrafter(Drafter):
@@ -138,13 +139,15 @@ class AutoDrafter(Drafter):
         self.verify.at(len(token_ids))  # priced, then timed, at the step's context
         request.score_declined(token_ids)
         offers = self._offers(token_ids, num_draft_tokens)
-        text_step = self._text_step(offers) if self.verify.knows(0) else None
+        prices = self.verify.prices(num_draft_tokens) if self.verify.knows(0) else None  # this step's, by k
+        text_step = self._text_step(offers, prices) if prices is not None else None
         if text_step is not None:
             request.keep_pace(*text_step[1:])
-        name, k = self._choose(token_ids, num_draft_tokens, offers, text_step)
+        name, k = self._choose(token_ids, num_draft_tokens, offers, text_step, prices)
         request.note_step(name in offers)
         steady = request.last_tried.get(name) == request.step - 1
-        choice = StepChoice(name, k, len(token_ids), steady=steady, lag=self._lag(name, token_ids) or 0)
+        lag = self.candidates[name].lag(token_ids) if name in self.draft_costs else 0
+        choice = StepChoice(name, k, len(token_ids), steady=steady, lag=lag)
         started = time.perf_counter()
         if name in offers:
             drafts, choice.track = offers[name]
@@ -231,19 +234,22 @@ class AutoDrafter(Drafter):
         yields, and the drafts expected to pass."""
         return 1.0 + self._drafts_passing(track, k)
 
-    def _text_step(self, offers: dict[str, tuple[list[int], str]]) -> tuple[tuple[str | None, int], float, float]:
+    def _text_step(
+        self, offers: Offers, prices: list[float] | None = None
+    ) -> tuple[tuple[str | None, int], float, float]:
         """The best of the text matchers' offers (whole, or their first k tokens: where a verify row
         costs a large part of a step, a weak match pays at one token and not at four) and a plain
         step, by expected tokens per second: ((candidate, k), expected tokens, seconds)."""
-        best, tokens, seconds = (None, 0), 1.0, self.verify.verify_cost(0)
+        prices = prices or self.verify.prices(max((len(drafts) for drafts, _ in offers.values()), default=0))
+        best, tokens, seconds = (None, 0), 1.0, prices[0]
         for name, (drafts, track) in offers.items():
             for k in range(1, len(drafts) + 1):
-                offered, cost = self._tokens(track, k), self.verify.verify_cost(k)
+                offered, cost = self._tokens(track, k), prices[k]
                 if offered / cost > tokens / seconds:
                     best, tokens, seconds = (name, k), offered, cost
         return best, tokens, seconds
 
-    def _offers(self, token_ids: list[int], limit: int) -> dict[str, tuple[list[int], str]]:
+    def _offers(self, token_ids: list[int], limit: int) -> Offers:
         """What each text matcher that found something would draft now (up to ``limit`` tokens, on the
         host), with the track its acceptance is read from: a table lookup, cheap enough to ask first."""
         offers, damped = {}, self._request.damped
@@ -278,26 +284,22 @@ class AutoDrafter(Drafter):
         """Whether the candidate runs a model, which must read the sequence before proposing."""
         return name in self.candidates and self.candidates[name].runs_model
 
-    def _lag(self, name: str | None, token_ids: list[int]) -> int | None:  # None: it runs no model
-        return self.candidates[name].lag(token_ids) if self._reads(name) else None
-
-    def _catch_up_seconds(self, name: str, token_ids: list[int], limit: int) -> float:
-        """What reading its lag would cost the candidate now. A short lag (a few tokens another
+    def _catch_up_seconds(self, name: str, lag: int, limit: int) -> float:
+        """What reading its lag (tokens) would cost the candidate now. A short lag (a few tokens another
         candidate got accepted) is priced per row beyond the one every draft step reads; a long one
         (a prompt) as a prefill, per token (before a measurement: at the draft step cost)."""
-        lag = self._lag(name, token_ids)
-        if lag is None or lag <= 1:  # the newest token, which every draft step reads
+        if lag <= 1:  # the newest token, which every draft step reads
             return 0.0
         if lag <= limit + 2 and name in self.extra_row:
             return (lag - 1) * self.extra_row[name]
         return lag * self.catch_up.get(name, self.draft_costs[name].draft or 0.0)
 
     def _choose(
-        self, token_ids: list[int], limit: int, offers: dict[str, tuple[list[int], str]] | None = None, text_step=None
+        self, token_ids: list[int], limit: int, offers: Offers | None = None, text_step=None, prices=None
     ) -> tuple[str | None, int]:
         """(candidate, k) with the most expected tokens per second; (None, 0) to draft nothing.
         ``offers``: the text matchers' proposals for this step (``_offers``); ``text_step``: their best
-        (``_text_step``), where the step already priced them."""
+        (``_text_step``) and ``prices`` a verify's by k (``StepCosts.prices``), where the step already asked."""
         if limit <= 0:
             return None, 0
         request, offers = self._request, offers or {}
@@ -306,18 +308,22 @@ class AutoDrafter(Drafter):
                 return name, limit
         if not self.verify.knows(0):
             return None, 0  # and plain decoding once
-        catch_up = {name: self._catch_up_seconds(name, token_ids, limit) for name in self.draft_costs}
+        prices = prices or self.verify.prices(limit)
+        catch_up = {
+            name: self._catch_up_seconds(name, self.candidates[name].lag(token_ids), limit) for name in self.draft_costs
+        }
+        tracks = {name: self._track(name) for name in self.draft_costs}
         horizon = HORIZON * max(request.left_by_text, 1 / HORIZON)  # the tokens it is paid back over
         # A draft model's step must beat text matching's pace over the last few steps, not only this
         # step's offer: where the text repeats, a plain step reaches the next match sooner.
-        best, tokens, seconds = text_step or self._text_step(offers)  # or a plain step
+        best, tokens, seconds = text_step or self._text_step(offers, prices)  # or a plain step
         paced_tokens, paced_seconds = request.text_pace
         best_rate = max(tokens / seconds, paced_tokens / paced_seconds if paced_seconds else 0.0)
         for name, costs in self.draft_costs.items():
-            track = self._track(name)
+            track = tracks[name]
             for k in range(1, limit + 1):
                 tokens = self._tokens(track, k)
-                seconds = k * costs.draft + self.verify.verify_cost(k) + catch_up[name] * tokens / horizon
+                seconds = k * costs.draft + prices[k] + catch_up[name] * tokens / horizon
                 if tokens / seconds > best_rate:
                     best, best_rate = (name, k), tokens / seconds
         # Probes keep a draft model's acceptance current (text matching needs none: its declined offers
@@ -328,14 +334,14 @@ class AutoDrafter(Drafter):
         # higher) is probed RARELY as often.
         if best[0] in offers:
             return best
-        plain_step, due = self.verify.verify_cost(0), self.probe_every * PROBE_ALPHA
+        plain_step, due = prices[0], self.probe_every * PROBE_ALPHA
         for name, costs in self.draft_costs.items():
-            track = self._track(name)
+            track = tracks[name]
             unused = (request.step - request.last_tried.get(name, 0)) * self._alpha(track)
             if name == best[0] or unused <= due or catch_up[name] > PROBE_CATCH_UP * plain_step:
                 continue  # not due (whether it could pay is asked only then), or dear to catch up
             most = max(request.priors.get(track, ALPHA_PRIOR), self._alpha(track))
-            hopeless = not costs.provisional_draft and not beats_plain(most, limit, costs, self.verify)
+            hopeless = not costs.provisional_draft and not beats_plain(most, costs.draft or 0.0, prices)
             if unused > due * (RARELY if hopeless else 1):
                 return name, 1
         return best
