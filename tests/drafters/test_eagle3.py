@@ -68,9 +68,23 @@ def test_the_heads_start_up_price_is_a_proposal_of_one_draft(monkeypatch):
         return probs(self, *args, **kwargs)
 
     monkeypatch.setattr(RequestSampler, "probs", slow)
+    calls = []  # live, the head runs right after a target step, which leaves it cold: so it is timed
+
+    def recorded(name, method):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return method(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(drafter.target, "extend", recorded("extend", drafter.target.extend))
+    monkeypatch.setattr(drafter.head, "step", recorded("step", drafter.head.step))
+    drafter.target.extend([5, 6, 7])
     costs = drafter.own_costs()
     assert costs.step_seconds >= 0.02 and costs.seconds_per_token < 0.02 / 64  # a prompt's read draws nothing
-    assert drafter.head.cache.length == 0
+    assert drafter.head.cache.length == 0 and drafter.target.cache.length == 3  # scratch entries, undone
+    timed = [i for i, call in enumerate(calls) if call == "step" and calls[i - 1] != "step"]  # each timing's first
+    assert len(timed) == 6 and all(calls[i - 1] == "extend" for i in timed)
 
 
 def test_the_heads_cache_after_many_steps_is_the_one_computed_at_once():
