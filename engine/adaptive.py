@@ -259,6 +259,7 @@ class AdaptiveK:
     costs: StepCosts = field(default_factory=StepCosts)  # shared by the requests of one drafter
     alpha: float = ALPHA_PRIOR  # this request's running per-token acceptance
     steps_since_draft: int = 0
+    last_made: int = 1  # tokens the last step made (served, the next step's verify waits on their events)
 
     def choose(self, limit: int) -> int:
         """The k to draft now, at most ``limit`` (what the request and cache still allow)."""
@@ -274,9 +275,12 @@ class AdaptiveK:
     def observe(
         self, k: int, num_accepted: int, draft_seconds: float, verify_seconds: float, timed: bool = True
     ) -> None:
-        """``timed``: the step's seconds are a step's costs (a request's first step also reads the prompt)."""
-        if timed:
+        """``timed``: the step's seconds are a step's costs (a request's first step also reads the prompt).
+        Nor is a step after one that made several tokens timed: served, its seconds also hold the events
+        of those tokens, whatever its k, as ``auto`` found (docs/drafters.md#on-a-zen-4-host)."""
+        if timed and self.last_made == 1:
             self.costs.observe(k, draft_seconds, verify_seconds)
+        self.last_made = num_accepted + 1
         if k == 0:
             self.steps_since_draft += 1
             return

@@ -96,6 +96,16 @@ def test_adaptive_k_learns_acceptance_from_steps():
     assert policy.alpha > 0.8
 
 
+def test_adaptive_k_times_no_step_after_one_that_made_several_tokens():
+    """Served, such a step also waits on the earlier tokens' events: its seconds are not its k's cost."""
+    policy = AdaptiveK(StepCosts())
+    policy.observe(0, 0, 0.0, 0.030)  # one token made: the next step is timed
+    policy.observe(4, 3, 0.004, 0.040)  # timed; four tokens made
+    policy.observe(4, 0, 0.004, 0.090)  # not timed: would have raised the price of four drafts
+    policy.observe(4, 1, 0.004, 0.041)  # one token made before it: timed
+    assert policy.costs.verify == {0: 0.030, 4: pytest.approx(0.9 * 0.040 + 0.1 * 0.041)}
+
+
 def test_adaptive_k_is_reported_in_stats():
     target = tiny_llama(seed=7, vocab_size=64, init=0.2)
     engine = setup_engine("model-adaptive-k", target, perturbed_copy(target, 0.05, 2), num_draft_tokens=5)
