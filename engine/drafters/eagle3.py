@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from .. import measure
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..model.loader import EMBEDDED_NAME
@@ -98,8 +99,7 @@ class Eagle3Drafter(Drafter):
         def timed(count: int) -> float:
             best = float("inf")
             for _ in range(3):
-                self.target.extend([0], num_logits=1)  # a decode step on a scratch position, undone
-                self.target.cache.rollback(kept)
+                measure.read_seconds(self.target, 1, repeats=1, start=kept)  # a target decode step, undone
                 self.head.cache.rollback(0)
                 started = time.perf_counter()
                 logits = self.head.step([0] * count, self.head.fuse(features[:count]))[0]
