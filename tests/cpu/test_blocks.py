@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -208,17 +209,24 @@ def test_long_inputs_go_through_the_kernel_up_to_the_rows_measured_for_their_sha
     replace(weight, direct_rows=63).linear(x)
     assert calls == ["tiled"]
 
-    # timings made up: the kernel's grow with the rows (0.02 ms each), the tiles' are fixed at 2 ms,
-    # so the kernel is no slower up to 100 rows
-    monkeypatch.setattr(BlockWeight, "direct", lambda self, rows, *a: time.sleep(2e-5 * rows.shape[0]))
-    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: time.sleep(2e-3))
+    # timings made up, on a clock only the products move (a sleep overran under load and failed it):
+    # the kernel's grow with the rows (0.02 ms each), the tiles' are fixed at 2 ms, so the kernel is
+    # no slower up to 100 rows
+    clock = [0.0]
+    monkeypatch.setattr(matmul_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def takes(seconds: float) -> None:
+        clock[0] += seconds
+
+    monkeypatch.setattr(BlockWeight, "direct", lambda self, rows, *a: takes(2e-5 * rows.shape[0]))
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: takes(2e-3))
     assert measure_direct_rows(weight) == max(rows for rows in CROSSING_ROWS if rows <= 100)
     tiled_calls = iter(range(10**6))  # three per timing; the 4th to 6th: the first timing at 64 rows
-    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: time.sleep(1e-6 if 3 <= next(tiled_calls) < 6 else 2e-3))
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: takes(1e-6 if 3 <= next(tiled_calls) < 6 else 2e-3))
     assert measure_direct_rows(weight) == 64  # that timing disturbed: timed again, the kernel won
-    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: time.sleep(1e-6))
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: takes(1e-6))
     assert measure_direct_rows(weight) == DIRECT_ROWS  # the tiles won from the first
-    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: time.sleep(0.03))
+    monkeypatch.setattr(BlockWeight, "tiled", lambda self, *a: takes(0.03))
     assert measure_direct_rows(weight) == UNBOUNDED  # the kernel won at every count
 
     timed = []
