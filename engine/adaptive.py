@@ -247,11 +247,11 @@ class ContextSlope:
         return max((xys - less * xzs - xs * (ys - less * zs) / weight) / x_spread, 0.0) if x_spread > 0.0 else 0.0
 
 
-def beats_plain(alpha: float, draft: float, prices: Sequence[float]) -> bool:
-    """Whether drafting k in 1..len(prices) - 1 tokens at ``draft`` seconds a token and acceptance ``alpha``
-    yields more tokens per second than plain decoding (``prices``: a verify's seconds by k, k = 0 a plain step)."""
-    plain = 1.0 / prices[0]
-    return any(expected_tokens(alpha, k) / (k * draft + prices[k]) > plain for k in range(1, len(prices)))
+def gain_over_plain(alpha: float, draft: float, prices: Sequence[float]) -> float:
+    """The most tokens per second drafting k in 1..len(prices) - 1 tokens at ``draft`` seconds a token and
+    acceptance ``alpha`` yields, over plain decoding's (``prices``: a verify's seconds by k, k = 0 a plain step)."""
+    best = max((expected_tokens(alpha, k) / (k * draft + prices[k]) for k in range(1, len(prices))), default=0.0)
+    return best * prices[0]
 
 
 @dataclass(slots=True)

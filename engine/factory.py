@@ -45,9 +45,10 @@ class WarmUp:
     matmuls: str = ""  # eager CPU: what the MatmulPlans chose (measured, stored or uniform), per model
     kernels: str = ""  # how the pointwise kernels run, where they were compiled (or failed to be)
     attention: str = ""  # the windows whose attention runs split (runner.choose_attention), per model
+    drafters: str = ""  # what drafters decided from their start-up timings (``Drafter.warm_up``)
 
     def describe(self) -> str:
-        kernels = "".join(f"; {part}" for part in (self.kernels, self.attention) if part)
+        kernels = "".join(f"; {part}" for part in (self.kernels, self.attention, self.drafters) if part)
         if self.forward == "cuda-graphs":
             captured = f"{self.variants} captured in {self.seconds:.1f} s, {self.graph_bytes / 2**20:,.0f} MiB"
             return f"CUDA graphs: {captured}{kernels}"
@@ -221,15 +222,15 @@ def warm_up(engine: SpecEngine) -> WarmUp:
             if split:
                 attention.append(f"{role} {split}")
         model.cache.rollback(0)
+    decided = []
     for drafter in engine.drafters.built.values():
         return_free_pages()  # each stage's temporaries freed before the next one's stack on them
-        drafter.warm_up()
+        decided.append(drafter.warm_up())
     graph_bytes = torch.cuda.memory_reserved(device) - reserved if device.type == "cuda" else 0
     seconds = time.perf_counter() - started
     engine.compiled = engine.compilations
-    report = WarmUp(
-        config.forward_mode, variants, seconds, graph_bytes, "; ".join(matmuls), kernels, "; ".join(attention)
-    )
+    chosen = ("; ".join(matmuls), kernels, "; ".join(attention), "; ".join(filter(None, decided)))
+    report = WarmUp(config.forward_mode, variants, seconds, graph_bytes, *chosen)
     engine.warm_up_report = report.describe()
     return report
 

@@ -309,13 +309,15 @@ def main() -> None:
                 for name in ("suffix", "auto")
             },
         }
+        candidates = list(loaded.engine.drafter("auto").candidates)  # a head start-up left out is not one
         entry = (
             "priced choices"
             + (f" at {args.prices} ms" if args.prices else "")
             + (", more prompts" if args.more_prompts else "")
-            + (f", head step {args.head_step} ms" if args.head_step else "")
+            + (f", head step {args.head_step} ms" if args.head_step and "eagle3" in candidates else "")
+            + ("" if "eagle3" in candidates else ", no head")
         )
-        write_entry(entry, {"prices_s": prices, "head_step_s": head_step, **summary, "results": table})
+        write_entry(entry, {"prices_s": prices, "candidates": candidates, **summary, "results": table})
         for case, row in table.items():
             print(case, row, "auto over suffix %.3f" % (row["auto"] / row["suffix"]))
         print(summary)

@@ -1,37 +1,24 @@
 """auto: at every step, the candidate drafter (and k) with the most expected tokens per second.
 
 Candidates: ``suffix``; ``model`` and the chain ``suffix,model`` with a draft model; ``eagle3`` with a head
-(named, or shipped for the target, priced by its own timing); and drafting nothing (k = 0). For candidate c
-at k drafts the expected rate is (1 - a_c^(k+1)) / (1 - a_c) tokens per k * d_c + v(k) seconds. The
-acceptance a_c is this request's own, pooled over the steps c ran (recent ones weigh more), from a prior its
-scope's finished requests move (a draft model's: its agreement measured at start-up, or a head's recorded
-beside it, worth 8 tokens of evidence, and in a request sampled hot or penalising repeats, apart and lower:
-``eagle3~``; a text match's 2, as it holds or breaks with the text). A text match's draft i passes, once
-those before it did, as a match i - 1 tokens longer does. Draft cost d_c and verify cost v(k) are timed at
-start-up, then live, shared by requests (``StepCosts``: v(0), a plain step, apart; v over k >= 1 as a line;
-each grows with the context).
+(named, or shipped for the target, priced by its own timing, and left out at start-up where that price does
+not pay: ``HEAD_PAYS``); and drafting nothing (k = 0). Candidate c at k drafts is expected to make
+(1 - a_c^(k+1)) / (1 - a_c) tokens in k * d_c + v(k) seconds. The acceptance a_c is this request's own, pooled
+over the steps c ran (recent ones weigh more), from a prior its scope's finished requests move (a draft
+model's agreement measured at start-up, or a head's recorded beside it, worth 8 tokens of evidence and apart,
+lower, in a request sampled hot or penalising repeats: ``eagle3~``; a text match's worth 2). Draft cost d_c
+and verify cost v(k) are timed at start-up, then live, shared by requests (``StepCosts``).
 
-Text matching is asked first at every step, since its proposal costs next to nothing to make: the choice
-then knows how many tokens it offers and how long a match they continue, and its acceptance is tracked per
-match length (``suffix@1``, ``@2``, ``@4``, ``@8``: a one-token match seldom holds, a longer one mostly
-does; a request sampled hot or penalising repeats on tracks of its own: ``@2~``), so a long match wins the
-step and a weak one leaves it to plain decoding or the draft model. Its cost is its verify rows alone. An
-offer the step declines is scored, once the text has passed it, by how many of its drafts the committed
-tokens match: what the offer would have yielded, so its acceptance stays current without probes, and is
-learned from every offer, not only from those whose estimate was high. A draft model's step must also beat
-the pace text matching (or plain decoding) kept over the last few steps, each halving the weight of those
-before: where the text repeats, a plain step reaches the next match sooner than four drafts.
-
-A draft model that has not run lately must first read what it missed (at a request's start, the whole
-prompt; after another candidate's run, a few tokens): that catch-up, at its measured cost (per token of a
-prefill; per extra row of a short read, which on CPU in bfloat16 costs a large part of a step), is spread
-over the next ``HORIZON`` tokens when candidates are compared, so a long prompt is not prefilled into a
-draft that cannot win it back; times the faded share of steps text matching left to others, since the draft
-will run only on those. (A draft that copies the target's keys and values, ``draft_kv``, has nothing to
-catch up on.) Where the step's best is another, a draft model unused for a while (``probe_every`` steps at
-acceptance 0.5; longer below, sooner above) drafts one token; one whose live-timed step could not beat plain
-decoding at any k even at the most it may accept (an int8 copy as dear as the target) is probed ``RARELY``
-times less often.
+Text matching is asked first at every step (a table lookup), so the choice knows how many tokens it offers
+and how long a match they continue; its acceptance is tracked per match length (``suffix@1``, ``@2``, ``@4``,
+``@8``; ``@2~`` when damped), its draft i passing, once those before it did, as a match i - 1 tokens longer
+does. Its cost is its verify rows alone. An offer the step declines is scored, once the text has passed it,
+by how many of its drafts the committed tokens match, so every offer is learned from without probes. A draft
+model's step must also beat the pace text matching (or plain decoding) kept over the last few steps, and
+pays for reading what it missed (a prompt, or another candidate's accepted tokens) spread over the next
+``HORIZON`` tokens it may draft. Where the step's best is another, a draft model unused for a while
+(``probe_every`` steps at acceptance 0.5) drafts one token; one that could not pay even at the most it may
+accept is probed ``RARELY`` times less often (docs/drafters.md has the measurements behind each rule).
 
 Every choice depends only on earlier steps and the committed tokens, never on the current step's random
 draws, so the output is still distributed exactly as the target's.
@@ -43,7 +30,7 @@ import time
 from dataclasses import replace
 
 from .. import measure
-from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, beats_plain, expected_tokens
+from ..adaptive import ALPHA_PRIOR, PROBE_EVERY, ScopePriors, StepCosts, _update, expected_tokens, gain_over_plain
 from ..model.model import upload
 from ..sampling import RequestSampler
 from .auto_state import (
@@ -67,6 +54,7 @@ HORIZON = 64  # tokens over which a candidate's catch-up is paid back, where tex
 PROBE_ALPHA = 0.5  # the acceptance at which an unused draft model is probed after probe_every steps
 RARELY = 8  # how many times longer a draft model that cannot pay here goes unprobed
 PROBE_CATCH_UP = 0.25  # the most a probe may spend catching up, in plain steps (docs/drafters.md)
+HEAD_PAYS = 1.1  # a head promising less over plain decoding at start-up is left out (docs/drafters.md#a-head-left-out)
 Offers = dict[str, tuple[list[int], str]]  # by text matcher: what it would draft now, and the track it is priced on
 
 
@@ -91,12 +79,13 @@ class AutoDrafter(Drafter):
         self._request = RequestState()
         self._choice: StepChoice | None = None
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> str | None:
         """Price the candidates before the first request: the target's verify over k + 1 tokens for each k after a
         chat turn's context (best of three, priced by ``measure.verify_prices``: a robust line over k >= 1, a plain
-        step apart and below it), the draft model's step and catch-up, its agreement (unless measured)."""
+        step apart and below it), the draft model's step and catch-up, its agreement (unless measured); then
+        leave out a head that cannot pay here (``_leave_out``)."""
         if self.resources is None:
-            return
+            return None
         target, draft, config = self.resources.target, self.resources.draft, self.resources.config
         max_query = config.num_draft_tokens + 2
         timed = measure.verify_seconds(target, max_query - 2)
@@ -118,6 +107,21 @@ class AutoDrafter(Drafter):
                 self.priors |= with_damped_tracks({name: own.acceptance or ALPHA_PRIOR})
                 self.extra_row.pop(name, None)
         self._request = RequestState(alpha=dict(self.priors), priors=dict(self.priors))
+        return self._leave_out(config.num_draft_tokens)
+
+    def _leave_out(self, limit: int) -> str | None:
+        """Take out each head (a model priced by its own start-up timing) whose step at its recorded acceptance
+        promises under HEAD_PAYS times plain decoding's tokens a second at start-up's prices (a request may
+        still name it); say which, for the start-up line."""
+        said, prices = [], self.verify.prices(limit)
+        for name, costs in list(self.draft_costs.items()):
+            alpha = self.priors.get(name, ALPHA_PRIOR)
+            gain = gain_over_plain(alpha, costs.draft or 0.0, prices)
+            if self.candidates[name].own_model is not None and limit > 0 and gain < HEAD_PAYS:
+                for table in (self.candidates, self.draft_costs, self.catch_up, self.extra_row):
+                    table.pop(name, None)
+                said.append(f"{name} ({costs.draft * 1e3:.2f} ms a draft at acceptance {alpha:.2f}: {gain:.2f}x)")
+        return f"auto leaves out {', '.join(said)}: under {HEAD_PAYS}x plain decoding's pace" if said else None
 
     def begin(self, prompt_ids: list[int], tenant: str = "") -> None:
         for candidate in self.candidates.values():
@@ -213,8 +217,7 @@ class AutoDrafter(Drafter):
     def _alpha(self, track: str) -> float:
         return self._request.alpha.get(track, self._request.priors.get(track, ALPHA_PRIOR))
 
-    def _track(self, name: str) -> str:
-        """A model candidate's track in this request (``model_track``)."""
+    def _track(self, name: str) -> str:  # a model candidate's in this request
         return model_track(name, self._request.damped)
 
     def _drafts_passing(self, track: str, k: int) -> float:
@@ -230,8 +233,7 @@ class AutoDrafter(Drafter):
         return passing
 
     def _tokens(self, track: str, k: int) -> float:
-        """Tokens a step drafting k is expected to yield: the target's own token, which every step
-        yields, and the drafts expected to pass."""
+        """Tokens a step drafting k is expected to yield: the target's own and the drafts expected to pass."""
         return 1.0 + self._drafts_passing(track, k)
 
     def _text_step(
@@ -275,13 +277,11 @@ class AutoDrafter(Drafter):
             for costs in self.draft_costs.values():
                 costs.expect(draft=draft_step_seconds)
 
-    def expect_agreement(self, acceptance: float) -> None:
-        """Start-up's measure of the draft model's acceptance: its candidates' prior."""
+    def expect_agreement(self, acceptance: float) -> None:  # start-up's, of the draft model: its prior
         self.priors |= with_damped_tracks(dict.fromkeys(self.draft_costs, acceptance))
         self._request = RequestState(alpha=dict(self.priors), priors=dict(self.priors))
 
-    def _reads(self, name: str | None) -> bool:
-        """Whether the candidate runs a model, which must read the sequence before proposing."""
+    def _reads(self, name: str | None) -> bool:  # it runs a model, which must read the sequence first
         return name in self.candidates and self.candidates[name].runs_model
 
     def _catch_up_seconds(self, name: str, lag: int, limit: int) -> float:
@@ -341,7 +341,7 @@ class AutoDrafter(Drafter):
             if name == best[0] or unused <= due or catch_up[name] > PROBE_CATCH_UP * plain_step:
                 continue  # not due (whether it could pay is asked only then), or dear to catch up
             most = max(request.priors.get(track, ALPHA_PRIOR), self._alpha(track))
-            hopeless = not costs.provisional_draft and not beats_plain(most, costs.draft or 0.0, prices)
+            hopeless = not costs.provisional_draft and gain_over_plain(most, costs.draft or 0.0, prices) <= 1.0
             if unused > due * (RARELY if hopeless else 1):
                 return name, 1
         return best

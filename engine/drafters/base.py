@@ -122,9 +122,9 @@ class Drafter(Protocol):
         EAGLE-3 head); None: it runs the draft model, or none. ``auto`` prices it by these."""
         return None
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> str | None:
         """Start-up's hook, after the forwards are prepared: measure what the drafter needs to know
-        before the first request (step costs, say)."""
+        before the first request (step costs, say); what it decided from them, for the start-up line."""
 
 
 def draw(q: torch.Tensor, sampler: RequestSampler, offset: int) -> torch.Tensor:

@@ -211,3 +211,33 @@ def test_beside_a_cpu_float32_target_the_head_multiplies_q8_0_blocks():
     prompt = [5, 6, 7, 8]
     outputs = list(engine.generate(Request("g", prompt, SamplingParams(max_tokens=16, temperature=0.0))))
     assert [t for o in outputs for t in o.token_ids] == greedy_reference(target_hf, prompt, 16)
+
+
+def test_auto_leaves_out_a_head_whose_start_up_price_cannot_pay(monkeypatch):
+    """On a CPU host the shipped head's step (1.0-1.7 ms) beside a verify of one draft (5-6 ms) makes at
+    most 1.02x plain decoding's tokens a second at its recorded acceptance: ``auto`` leaves it out at
+    start-up and says so (its pricing cost every step, and its live steps cost more than that price); a
+    request may still name it. One whose step is cheap enough stays a candidate."""
+    from engine import measure
+    from engine.drafters.base import OwnCosts
+    from engine.drafters.eagle3 import Eagle3Drafter
+    from engine.factory import warm_up
+
+    target_hf = tiny_llama(seed=3, vocab_size=96, layers=4, init=0.2)
+    head = random_eagle3_head(target_hf, (0, 1, 3), seed=1, scale=2.0)
+    prices = {0: 5.0e-3, 1: 5.5e-3, 2: 6.0e-3, 3: 6.5e-3, 4: 7.0e-3}  # a plain step, a verify of k drafts
+    monkeypatch.setattr(measure, "verify_prices", lambda timed: dict(prices))
+    for step, kept in ((1.3e-3, False), (0.1e-3, True)):  # 0.98x and 1.19x plain decoding at acceptance 0.33
+        monkeypatch.setattr(Eagle3Drafter, "own_costs", lambda self, step=step: OwnCosts(step, 1e-5, 0.33))
+        engine = tiny_engine(target_hf, None, drafter="auto", draft_head=str(head))
+        report = warm_up(engine).describe()
+        auto = engine.drafter("auto")
+        assert ("eagle3" in auto.candidates) is kept and ("eagle3" in auto.draft_costs) is kept
+        assert ("auto leaves out eagle3 (1.30 ms a draft at acceptance 0.33: 0.98x)" in report) is not kept
+        prompt = [5, 6, 7, 8, 5, 6]
+        for drafter in ("auto", "eagle3"):  # named, it still runs; either way the output is the target's
+            request = Request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0), drafter=drafter)
+            outputs = list(engine.generate(request))
+            assert [t for o in outputs for t in o.token_ids] == greedy_reference(target_hf, prompt, 12)
+            stats = outputs[-1].stats
+            assert stats.drafted_tokens > 0 if drafter == "eagle3" else kept or "eagle3" not in stats.steps_by_drafter
