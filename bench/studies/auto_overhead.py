@@ -317,7 +317,8 @@ def main() -> None:
             + (f", head step {args.head_step} ms" if args.head_step and "eagle3" in candidates else "")
             + ("" if "eagle3" in candidates else ", no head")
         )
-        write_entry(entry, {"prices_s": prices, "candidates": candidates, **summary, "results": table})
+        head = {"head_step_s": head_step} if "eagle3" in candidates else {}
+        write_entry(entry, {"prices_s": prices, "candidates": candidates, **head, **summary, "results": table})
         for case, row in table.items():
             print(case, row, "auto over suffix %.3f" % (row["auto"] / row["suffix"]))
         print(summary)
